@@ -28,8 +28,8 @@ cnp.import_array()
 
 # Columns (images x output pixels) per GEMM below which images are batched together.
 DEF GEMM_MIN_COLUMNS = 256
-# Batching stops short of leaving fewer than this many image groups to share out.
-DEF MIN_GROUPS = 8
+# Bytes of the im2col tile unfolded at once when one image is large (about half an L2).
+DEF COL_TILE_BYTES = 512 * 1024
 
 
 cdef inline Py_ssize_t _valid_lo(Py_ssize_t pad, Py_ssize_t offset, Py_ssize_t stride,
@@ -52,87 +52,98 @@ cdef inline Py_ssize_t _valid_hi(Py_ssize_t pad, Py_ssize_t offset, Py_ssize_t s
     return last if last < out_size else out_size
 
 
-cdef void im2col(floating* col, Py_ssize_t ld, const floating* x,
-                 Py_ssize_t C, Py_ssize_t H, Py_ssize_t W, Py_ssize_t kh, Py_ssize_t kw,
-                 Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t ph, Py_ssize_t pw,
-                 Py_ssize_t Ho, Py_ssize_t Wo) noexcept nogil:
-    """col: (C*kh*kw, ld), first Ho*Wo columns written; x: (C, H, W).
+cdef void im2col(floating* col, Py_ssize_t ld, const floating* x, const ConvShape* s,
+                 Py_ssize_t oh0, Py_ssize_t oh1) noexcept nogil:
+    """col: (K, ld), columns [0, (oh1-oh0)*Wo) written; x: (C, H, W), one image.
 
-    Row by row with the padding ranges computed up front, so the inner loop is a plain copy
-    (memcpy at stride 1) instead of a bounds test per element."""
+    Unfolds output rows [oh0, oh1). Row by row with the padding ranges computed up front, so
+    the inner loop is a plain copy (memcpy at stride 1) instead of a bounds test per pixel."""
     cdef Py_ssize_t c, i, j, oh, ih, ow, lo, hi
     cdef floating* dst
     cdef const floating* src
-    for c in range(C):
-        for i in range(kh):
-            for j in range(kw):
-                lo = _valid_lo(pw, j, sw, Wo)
-                hi = _valid_hi(pw, j, sw, W, Wo)
+    for c in range(s.C):
+        for i in range(s.kh):
+            for j in range(s.kw):
+                lo = _valid_lo(s.pw, j, s.sw, s.Wo)
+                hi = _valid_hi(s.pw, j, s.sw, s.W, s.Wo)
                 if hi < lo:
                     hi = lo
-                dst = col + ((c * kh + i) * kw + j) * ld
-                for oh in range(Ho):
-                    ih = oh * sh - ph + i
-                    if ih < 0 or ih >= H:
-                        memset(dst, 0, Wo * sizeof(floating))
+                dst = col + ((c * s.kh + i) * s.kw + j) * ld
+                for oh in range(oh0, oh1):
+                    ih = oh * s.sh - s.ph + i
+                    if ih < 0 or ih >= s.H:
+                        memset(dst, 0, s.Wo * sizeof(floating))
                     else:
                         if lo > 0:
                             memset(dst, 0, lo * sizeof(floating))
-                        src = x + (c * H + ih) * W + lo * sw - pw + j
-                        if sw == 1:
+                        src = x + (c * s.H + ih) * s.W + lo * s.sw - s.pw + j
+                        if s.sw == 1:
                             memcpy(dst + lo, src, (hi - lo) * sizeof(floating))
                         else:
                             for ow in range(hi - lo):
-                                dst[lo + ow] = src[ow * sw]
-                        if hi < Wo:
-                            memset(dst + hi, 0, (Wo - hi) * sizeof(floating))
-                    dst += Wo
+                                dst[lo + ow] = src[ow * s.sw]
+                        if hi < s.Wo:
+                            memset(dst + hi, 0, (s.Wo - hi) * sizeof(floating))
+                    dst += s.Wo
 
 
-cdef void col2im(floating* x, const floating* col, Py_ssize_t ld,
-                 Py_ssize_t C, Py_ssize_t H, Py_ssize_t W, Py_ssize_t kh, Py_ssize_t kw,
-                 Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t ph, Py_ssize_t pw,
-                 Py_ssize_t Ho, Py_ssize_t Wo) noexcept nogil:
-    """x: (C, H, W) overwritten with the sum of the columns of col (C*kh*kw, ld) that
-    im2col would have read from each pixel."""
+cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const ConvShape* s,
+                     Py_ssize_t oh0, Py_ssize_t oh1) noexcept nogil:
+    """x: (C, H, W) += every column of col (K, ld) for output rows [oh0, oh1), added back
+    to the pixel im2col read it from (the adjoint of im2col)."""
     cdef Py_ssize_t c, i, j, oh, ih, ow, lo, hi
     cdef const floating* src
     cdef floating* dst
-    memset(x, 0, C * H * W * sizeof(floating))
-    for c in range(C):
-        for i in range(kh):
-            for j in range(kw):
-                lo = _valid_lo(pw, j, sw, Wo)
-                hi = _valid_hi(pw, j, sw, W, Wo)
-                src = col + ((c * kh + i) * kw + j) * ld
-                for oh in range(Ho):
-                    ih = oh * sh - ph + i
-                    if ih >= 0 and ih < H:
-                        dst = x + (c * H + ih) * W + lo * sw - pw + j
-                        for ow in range(hi - lo):
-                            dst[ow * sw] += src[lo + ow]
-                    src += Wo
+    for c in range(s.C):
+        for i in range(s.kh):
+            for j in range(s.kw):
+                lo = _valid_lo(s.pw, j, s.sw, s.Wo)
+                hi = _valid_hi(s.pw, j, s.sw, s.W, s.Wo)
+                src = col + ((c * s.kh + i) * s.kw + j) * ld
+                for oh in range(oh0, oh1):
+                    ih = oh * s.sh - s.ph + i
+                    if ih >= 0 and ih < s.H:
+                        dst = x + (c * s.H + ih) * s.W + lo * s.sw - s.pw + j
+                        if s.sw == 1:   # unit stride: a loop the compiler vectorizes
+                            for ow in range(hi - lo):
+                                dst[ow] += src[lo + ow]
+                        else:
+                            for ow in range(hi - lo):
+                                dst[ow * s.sw] += src[lo + ow]
+                    src += s.Wo
 
 
 cdef struct ConvShape:
     Py_ssize_t N, C, H, W, Co, kh, kw, sh, sw, ph, pw, Ho, Wo
     Py_ssize_t K       # C*kh*kw, rows of col
     Py_ssize_t P       # Ho*Wo, columns of col per image
-    Py_ssize_t G       # images per GEMM
-    bint direct        # 1x1, stride 1, no padding, G == 1: col is the image itself
+    Py_ssize_t G       # images per GEMM (> 1 only for small P)
+    Py_ssize_t R       # output rows per GEMM when G == 1 (a tile of col that stays in cache)
+    bint direct        # 1x1, stride 1, no padding: col is the image itself, no unfolding
 
 
-cdef inline Py_ssize_t _images_per_gemm(Py_ssize_t P, Py_ssize_t N) noexcept nogil:
-    # Depends on the shapes only, never on the thread count: BLAS may sum in a different
-    # order for a different GEMM width, and results must not change with --threads.
+cdef inline Py_ssize_t _images_per_gemm(Py_ssize_t P, Py_ssize_t N, int threads) noexcept nogil:
     cdef Py_ssize_t g = (GEMM_MIN_COLUMNS + P - 1) // P
-    cdef Py_ssize_t keep_groups = N // MIN_GROUPS   # leave work for MIN_GROUPS threads
-    if g > keep_groups:
-        g = keep_groups
+    cdef Py_ssize_t per_thread = (N + threads - 1) // threads   # keep every thread busy
+    if g > per_thread:
+        g = per_thread
     return g if g >= 1 else 1
 
 
-cdef ConvShape _conv_shape(tuple xs, tuple ws, tuple stride, tuple padding) except *:
+cdef inline Py_ssize_t _rows_per_tile(Py_ssize_t K, Py_ssize_t Wo, Py_ssize_t Ho,
+                                      size_t itemsize) noexcept nogil:
+    # Unfold only as many output rows as keep the col tile within COL_TILE_BYTES, so the
+    # GEMM reads col from cache right after im2col wrote it; but never fewer columns than
+    # GEMM_MIN_COLUMNS, below which BLAS runs a skinny, slow GEMM.
+    cdef Py_ssize_t r = COL_TILE_BYTES // (K * Wo * <Py_ssize_t> itemsize)
+    cdef Py_ssize_t r_min = (GEMM_MIN_COLUMNS + Wo - 1) // Wo
+    if r < r_min:
+        r = r_min
+    return r if r < Ho else Ho
+
+
+cdef ConvShape _conv_shape(tuple xs, tuple ws, tuple stride, tuple padding, int threads,
+                           size_t itemsize) except *:
     cdef ConvShape s
     s.N, s.C, s.H, s.W = xs
     s.Co, s.kh, s.kw = ws[0], ws[2], ws[3]
@@ -142,13 +153,32 @@ cdef ConvShape _conv_shape(tuple xs, tuple ws, tuple stride, tuple padding) exce
     s.Wo = (s.W + 2 * s.pw - s.kw) // s.sw + 1
     s.K = s.C * s.kh * s.kw
     s.P = s.Ho * s.Wo
-    s.G = _images_per_gemm(s.P, s.N)
-    s.direct = s.kh == 1 and s.kw == 1 and s.sh == 1 and s.sw == 1 and s.ph == 0 \
-        and s.pw == 0 and s.G == 1
+    s.G = _images_per_gemm(s.P, s.N, threads)
+    s.direct = s.kh == 1 and s.kw == 1 and s.sh == 1 and s.sw == 1 and s.ph == 0 and s.pw == 0
+    s.R = s.Ho if s.G > 1 or s.direct else _rows_per_tile(s.K, s.Wo, s.Ho, itemsize)
     check_blas_dim("conv: C_in*kh*kw", s.K)
     check_blas_dim("conv: C_out", s.Co)
     check_blas_dim("conv: images*H_out*W_out per GEMM", s.G * s.P)
     return s
+
+
+cdef ConvShape _plan(object xa, object wa, object stride, object padding, FloatKind kind,
+                     int* threads) except *:
+    """The validated shape and GEMM blocking of a call, and how many threads it can use."""
+    threads[0] = openmp.omp_get_max_threads()
+    cdef ConvShape s = _conv_shape(xa.shape, wa.shape, check_pair("stride", stride, 1),
+                                   check_pair("padding", padding, 0), threads[0],
+                                   4 if kind == F32 else 8)
+    cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
+    if threads[0] > groups:
+        threads[0] = <int> groups
+    return s
+
+
+cdef inline Py_ssize_t _workspace_per_thread(const ConvShape* s) noexcept nogil:
+    # col tile, plus (for grouped images) the gathered output / output-gradient buffer
+    cdef Py_ssize_t tile = s.K * s.G * s.R * s.Wo
+    return tile + (s.Co * s.G * s.P if s.G > 1 else 0)
 
 
 def conv2d_output_shape(x_shape, w_shape, stride=1, padding=0):
@@ -179,44 +209,54 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                    ConvShape s, floating* work, Py_ssize_t work_per_thread,
                    int threads) noexcept nogil:
     cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
-    cdef Py_ssize_t grp, n0, g, gn, co, p, cols
+    cdef Py_ssize_t grp, n0, g, gn, co, p, oh0, oh1, cols, ld_col, ld_out
     cdef floating* col
+    cdef floating* gathered
     cdef floating* out
-    cdef floating* yn
-    cdef const floating* rhs
-    cdef floating bias, beta
-    # Parallel over image groups: each group is an independent GEMM, so no thread ever
-    # waits on another and the result does not depend on the thread count.
+    cdef const floating* colp
+    cdef floating beta
+    # Parallel over image groups: every group is an independent GEMM writing its own
+    # images, so threads never wait on each other.
     with parallel(num_threads=threads):
         col = work + threadid() * work_per_thread
-        out = col + s.K * s.G * s.P
+        gathered = col + s.K * s.G * s.R * s.Wo
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
             gn = s.G if n0 + s.G <= s.N else s.N - n0
-            cols = gn * s.P
-            if s.direct:
-                rhs = x + n0 * s.C * s.P
-            else:
-                for g in range(gn):
-                    im2col(col + g * s.P, cols, x + (n0 + g) * s.C * s.H * s.W, s.C, s.H,
-                           s.W, s.kh, s.kw, s.sh, s.sw, s.ph, s.pw, s.Ho, s.Wo)
-                rhs = col
-            # One image: GEMM straight into y[n]; several: into a buffer, then scatter.
-            yn = y + n0 * s.Co * s.P if gn == 1 else out
-            beta = 0
-            if b != NULL:
-                beta = 1
-                for co in range(s.Co):
-                    bias = b[co]
-                    for p in range(cols):
-                        yn[co * cols + p] = bias
-            gemm(False, False, <int> s.Co, <int> cols, <int> s.K, <floating> 1, w, <int> s.K,
-                 rhs, <int> cols, beta, yn, <int> cols)
-            if gn > 1:
-                for g in range(gn):
+            oh0 = 0
+            while oh0 < s.Ho:
+                oh1 = oh0 + s.R if oh0 + s.R < s.Ho else s.Ho
+                cols = gn * (oh1 - oh0) * s.Wo
+                if s.direct and gn == 1:
+                    colp = x + n0 * s.C * s.P + oh0 * s.Wo
+                    ld_col = s.P
+                else:
+                    for g in range(gn):
+                        im2col(col + g * (oh1 - oh0) * s.Wo, cols,
+                               x + (n0 + g) * s.C * s.H * s.W, &s, oh0, oh1)
+                    colp = col
+                    ld_col = cols
+                # One image: GEMM straight into y[n]; several: into a buffer, then scatter.
+                if gn == 1:
+                    out = y + n0 * s.Co * s.P + oh0 * s.Wo
+                    ld_out = s.P
+                else:
+                    out = gathered
+                    ld_out = cols
+                beta = 0
+                if b != NULL:
+                    beta = 1
                     for co in range(s.Co):
-                        memcpy(y + ((n0 + g) * s.Co + co) * s.P, out + co * cols + g * s.P,
-                               s.P * sizeof(floating))
+                        for p in range(cols):
+                            out[co * ld_out + p] = b[co]
+                gemm(False, False, <int> s.Co, <int> cols, <int> s.K, <floating> 1, w,
+                     <int> s.K, colp, <int> ld_col, beta, out, <int> ld_out)
+                if gn > 1:
+                    for g in range(gn):
+                        for co in range(s.Co):
+                            memcpy(y + ((n0 + g) * s.Co + co) * s.P,
+                                   gathered + co * cols + g * s.P, s.P * sizeof(floating))
+                oh0 = oh1
 
 
 cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy,
@@ -226,54 +266,72 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
     cdef Py_ssize_t wsize = s.Co * s.K
     cdef Py_ssize_t slot = wsize + s.Co
-    cdef Py_ssize_t grp, n0, g, gn, co, p, cols, t, i
+    cdef Py_ssize_t grp, n0, g, gn, co, p, oh0, oh1, cols, ld_col, ld_dy, t, i
     cdef floating* col
-    cdef floating* dyg
+    cdef floating* gathered
     cdef floating* dwt
     cdef floating* dbt
     cdef const floating* colp
     cdef const floating* dyp
     cdef floating acc
     memset(partials, 0, threads * slot * sizeof(floating))
+    # Parallel over image groups, as forward; weight and bias gradients go to this thread's
+    # partial sums (reduced below), input gradients to the group's own images.
     with parallel(num_threads=threads):
         col = work + threadid() * work_per_thread
-        dyg = col + s.K * s.G * s.P
+        gathered = col + s.K * s.G * s.R * s.Wo
         dwt = partials + threadid() * slot
         dbt = dwt + wsize
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
             gn = s.G if n0 + s.G <= s.N else s.N - n0
-            cols = gn * s.P
-            if gn == 1:
-                dyp = dy + n0 * s.Co * s.P
-            else:
-                for g in range(gn):
+            if dx != NULL and not s.direct:
+                memset(dx + n0 * s.C * s.H * s.W, 0, gn * s.C * s.H * s.W * sizeof(floating))
+            oh0 = 0
+            while oh0 < s.Ho:
+                oh1 = oh0 + s.R if oh0 + s.R < s.Ho else s.Ho
+                cols = gn * (oh1 - oh0) * s.Wo
+                if gn == 1:
+                    dyp = dy + n0 * s.Co * s.P + oh0 * s.Wo
+                    ld_dy = s.P
+                else:
+                    for g in range(gn):
+                        for co in range(s.Co):
+                            memcpy(gathered + co * cols + g * s.P,
+                                   dy + ((n0 + g) * s.Co + co) * s.P, s.P * sizeof(floating))
+                    dyp = gathered
+                    ld_dy = cols
+                if s.direct and gn == 1:
+                    colp = x + n0 * s.C * s.P + oh0 * s.Wo
+                    ld_col = s.P
+                else:
+                    for g in range(gn):
+                        im2col(col + g * (oh1 - oh0) * s.Wo, cols,
+                               x + (n0 + g) * s.C * s.H * s.W, &s, oh0, oh1)
+                    colp = col
+                    ld_col = cols
+                gemm(False, True, <int> s.Co, <int> s.K, <int> cols, <floating> 1, dyp,
+                     <int> ld_dy, colp, <int> ld_col, <floating> 1, dwt, <int> s.K)
+                if db != NULL:
                     for co in range(s.Co):
-                        memcpy(dyg + co * cols + g * s.P, dy + ((n0 + g) * s.Co + co) * s.P,
-                               s.P * sizeof(floating))
-                dyp = dyg
-            if s.direct:
-                colp = x + n0 * s.C * s.P
-            else:
-                for g in range(gn):
-                    im2col(col + g * s.P, cols, x + (n0 + g) * s.C * s.H * s.W, s.C, s.H,
-                           s.W, s.kh, s.kw, s.sh, s.sw, s.ph, s.pw, s.Ho, s.Wo)
-                colp = col
-            gemm(False, True, <int> s.Co, <int> s.K, <int> cols, <floating> 1, dyp, <int> cols,
-                 colp, <int> cols, <floating> 1, dwt, <int> s.K)
-            if db != NULL:
-                for co in range(s.Co):
-                    acc = 0
-                    for p in range(cols):
-                        acc = acc + dyp[co * cols + p]
-                    dbt[co] += acc
-            if dx != NULL:
-                # dcol overwrites col: its im2col content was consumed by the dw GEMM above.
-                gemm(True, False, <int> s.K, <int> cols, <int> s.Co, <floating> 1, w, <int> s.K,
-                     dyp, <int> cols, <floating> 0, col, <int> cols)
-                for g in range(gn):
-                    col2im(dx + (n0 + g) * s.C * s.H * s.W, col + g * s.P, cols, s.C, s.H,
-                           s.W, s.kh, s.kw, s.sh, s.sw, s.ph, s.pw, s.Ho, s.Wo)
+                        acc = 0
+                        for p in range(cols):
+                            acc = acc + dyp[co * ld_dy + p]
+                        dbt[co] += acc
+                if dx != NULL:
+                    if s.direct and gn == 1:
+                        # 1x1 stride 1: the input gradient is the GEMM itself, no col2im.
+                        gemm(True, False, <int> s.K, <int> cols, <int> s.Co, <floating> 1, w,
+                             <int> s.K, dyp, <int> ld_dy, <floating> 0,
+                             dx + n0 * s.C * s.P + oh0 * s.Wo, <int> s.P)
+                    else:
+                        # dcol overwrites col: the weight-gradient GEMM above consumed it.
+                        gemm(True, False, <int> s.K, <int> cols, <int> s.Co, <floating> 1, w,
+                             <int> s.K, dyp, <int> ld_dy, <floating> 0, col, <int> cols)
+                        for g in range(gn):
+                            col2im_add(dx + (n0 + g) * s.C * s.H * s.W,
+                                       col + g * (oh1 - oh0) * s.Wo, cols, &s, oh0, oh1)
+                oh0 = oh1
     # Reduce the per-thread partial sums in fixed thread order, parallel over elements.
     for i in prange(slot, schedule="static", num_threads=threads, nogil=True):
         acc = 0
@@ -307,13 +365,9 @@ def conv2d_forward(y, x, w, b=None, stride=1, padding=0):
     check_shape("y", ya, out_shape)
     check_disjoint("y", ya, "x", xa)
     check_disjoint("y", ya, "w", wa)
-    cdef int threads = openmp.omp_get_max_threads()
-    cdef ConvShape s = _conv_shape((<object> xa).shape, (<object> wa).shape, check_pair("stride", stride, 1),
-                                   check_pair("padding", padding, 0))
-    cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
-    if threads > groups:
-        threads = <int> groups
-    cdef Py_ssize_t per_thread = s.K * s.G * s.P + (s.Co * s.G * s.P if s.G > 1 else 0)
+    cdef int threads
+    cdef ConvShape s = _plan(xa, wa, stride, padding, kind, &threads)
+    cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
     cdef size_t itemsize = 4 if kind == F32 else 8
     cdef void* work = malloc(threads * per_thread * itemsize + 1)
     if work == NULL:
@@ -354,15 +408,11 @@ def conv2d_backward(dx, dw, db, dy, x, w, stride=1, padding=0):
             check_disjoint("dx", dxa, name, other)
     for name, other in (("dy", dya), ("x", xa), ("w", wa)):
         check_disjoint("dw", dwa, name, other)
-    cdef int threads = openmp.omp_get_max_threads()
-    cdef ConvShape s = _conv_shape((<object> xa).shape, (<object> wa).shape, check_pair("stride", stride, 1),
-                                   check_pair("padding", padding, 0))
-    cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
-    if threads > groups:
-        threads = <int> groups
-    cdef Py_ssize_t per_thread = s.K * s.G * s.P + (s.Co * s.G * s.P if s.G > 1 else 0)
-    cdef Py_ssize_t partial_size = threads * (s.Co * s.K + s.Co)
+    cdef int threads
+    cdef ConvShape s = _plan(xa, wa, stride, padding, kind, &threads)
+    cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
     cdef size_t itemsize = 4 if kind == F32 else 8
+    cdef Py_ssize_t partial_size = threads * (s.Co * s.K + s.Co)
     cdef void* work = malloc((threads * per_thread + partial_size) * itemsize + 1)
     if work == NULL:
         raise MemoryError("conv2d_backward: cannot allocate the im2col workspace")

@@ -1,0 +1,1 @@
+"""dynar's benchmark harness: `python -m perf <suite>` (see perf/run.py)."""

@@ -1,0 +1,3 @@
+from perf.run import main
+
+main()
