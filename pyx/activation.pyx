@@ -1,0 +1,243 @@
+"""Elementwise layers: ReLU, dropout and the residual add, forward and backward.
+
+Arrays have any shape, but all arrays of one call share it and are C-contiguous, so every op
+is a flat loop over n elements. An output may be the very same array as an input of its
+dtype (in place); partial overlap is refused. Small arrays run on the calling thread; large
+ones are cut into fixed-size chunks shared out with `prange`. Every element is computed the
+same way whatever thread runs it, so results never depend on the thread count.
+
+Dropout keeps element i when a counter-based hash of (seed, i) clears the threshold p: the
+mask is a pure function of (seed, index), reproducible on any thread count or chunking, and
+needs no generator state to be carried between calls or threads.
+"""
+import numbers
+
+from cython cimport floating
+from cython.parallel cimport prange
+from libc.stdint cimport uint64_t
+from libc.string cimport memcpy
+cimport numpy as cnp
+cimport openmp
+
+from _validate cimport F32, FloatKind, as_int, check_array, check_disjoint, check_shape, \
+    data, float_kind, float_typenum
+
+cnp.import_array()
+
+# At or below this many elements one thread does the whole loop: opening a parallel region
+# costs a few microseconds, about what one core needs to stream this many floats.
+DEF PARALLEL_MIN = 32768
+# Elements per prange iteration: long enough for the vectorized loop to reach full speed,
+# short enough to spread a medium array over many cores.
+DEF CHUNK = 8192
+
+
+cdef enum Op:
+    RELU            # out = a < 0 ? 0 : a
+    RELU_BACKWARD   # out = b <= 0 ? 0 : a         (a = dy, b = y)
+    DROPOUT         # mask = keep(seed, i); out = a * mask * scale
+    APPLY_MASK      # out = a * mask * scale       (dropout backward)
+    ADD             # out = a + b
+    COPY            # out = a
+
+
+cdef struct Mask:
+    unsigned char* keep   # (n,) 1 keep / 0 drop; written by DROPOUT, read by APPLY_MASK
+    uint64_t key          # splitmix64(seed)
+    uint64_t threshold    # keep element i iff its 53-bit hash >= threshold = p * 2^53
+    double scale          # 1 / (1 - p)
+
+
+# For the ops that use no mask (zero-initialized, as every module-level C variable).
+cdef Mask _NO_MASK
+
+
+cdef inline uint64_t _splitmix64(uint64_t z) noexcept nogil:
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+    return z ^ (z >> 31)
+
+
+cdef void _span(Op op, floating* out, const floating* a, const floating* b, Mask m,
+                Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
+    """out, a, b, m.keep: (n,); elements [lo, hi) of op. One plain loop per op, the branch
+    outside it, so gcc vectorizes each."""
+    cdef Py_ssize_t i
+    cdef floating v
+    cdef floating scale = <floating> m.scale
+    # splitmix64's increment (2^64 / golden ratio): consecutive indices land far apart.
+    cdef uint64_t golden = 0x9E3779B97F4A7C15ULL
+    if op == RELU:
+        for i in range(lo, hi):
+            v = a[i]
+            out[i] = 0 if v < 0 else v   # NaN and -0.0 pass through, as torch.relu
+    elif op == RELU_BACKWARD:
+        for i in range(lo, hi):
+            out[i] = 0 if b[i] <= 0 else a[i]   # y NaN passes dy, as PyTorch
+    elif op == DROPOUT or op == APPLY_MASK:
+        if op == DROPOUT:
+            # The key is mixed from the seed, so nearby seeds give unrelated masks rather
+            # than one sequence shifted by a few elements.
+            for i in range(lo, hi):
+                m.keep[i] = (_splitmix64(m.key + <uint64_t> i * golden) >> 11) >= m.threshold
+        # A product, not a select: a dropped inf/NaN gives NaN, as x * mask * scale does.
+        for i in range(lo, hi):
+            out[i] = a[i] * (m.keep[i] * scale)
+    elif op == ADD:
+        for i in range(lo, hi):
+            out[i] = a[i] + b[i]
+    else:
+        memcpy(out + lo, a + lo, (hi - lo) * sizeof(floating))
+
+
+cdef void _elementwise(Op op, floating* out, const floating* a, const floating* b, Mask m,
+                       Py_ssize_t n, int threads) noexcept nogil:
+    cdef Py_ssize_t c, end
+    if n <= PARALLEL_MIN:
+        _span(op, out, a, b, m, 0, n)
+        return
+    # Parallel over fixed chunks of the flat array: elements are independent, and chunks
+    # (not one slice per thread) keep the split the same whatever the thread count.
+    for c in prange((n + CHUNK - 1) // CHUNK, schedule="static", num_threads=threads):
+        end = c * CHUNK + CHUNK
+        _span(op, out, a, b, m, c * CHUNK, end if end < n else n)
+
+
+cdef object _run(FloatKind kind, Op op, object out, object a, object b, Mask m):
+    """Runs op over validated arrays out, a, b (b may be None) of one shape."""
+    cdef void* outp = data(out)
+    cdef void* ap = data(a)
+    cdef void* bp = data(b)
+    cdef Py_ssize_t n = cnp.PyArray_SIZE(<cnp.ndarray> out)
+    cdef int threads = openmp.omp_get_max_threads()
+    with nogil:
+        if kind == F32:
+            _elementwise(op, <float*> outp, <float*> ap, <float*> bp, m, n, threads)
+        else:
+            _elementwise(op, <double*> outp, <double*> ap, <double*> bp, m, n, threads)
+
+
+cdef cnp.ndarray _check_first(str name, object arr, FloatKind* kind):
+    """The input that fixes dtype and shape of the call: a float32/float64 C-contiguous array
+    of any shape with no zero-size dimension."""
+    kind[0] = float_kind(name, arr)
+    cdef cnp.ndarray a = check_array(name, arr, cnp.PyArray_NDIM(<cnp.ndarray> arr),
+                                     float_typenum(kind[0]))
+    if cnp.PyArray_SIZE(a) == 0:
+        raise ValueError(f"{name}: every dimension must be >= 1, got shape {(<object> a).shape}")
+    return a
+
+
+cdef cnp.ndarray _check_like(str name, object arr, cnp.ndarray ref, int typenum,
+                             bint output=False):
+    """`arr` with ref's shape and dtype `typenum`, C-contiguous."""
+    cdef cnp.ndarray a = check_array(name, arr, cnp.PyArray_NDIM(ref), typenum, output)
+    check_shape(name, a, (<object> ref).shape)
+    return a
+
+
+cdef object _check_alias(str out_name, cnp.ndarray out, str in_name, cnp.ndarray inp):
+    """out may be inp itself (same start, dtype and shape: each element is read before it
+    is written) or disjoint from it; anything in between would read overwritten data."""
+    if cnp.PyArray_DATA(out) == cnp.PyArray_DATA(inp) \
+            and cnp.PyArray_TYPE(out) == cnp.PyArray_TYPE(inp):
+        return
+    check_disjoint(out_name, out, in_name, inp)
+
+
+def relu_forward(y, x):
+    """y = max(x, 0) elementwise; x, y: same shape. y may be x itself (in place)."""
+    cdef FloatKind kind
+    xa = _check_first("x", x, &kind)
+    ya = _check_like("y", y, xa, float_typenum(kind), output=True)
+    _check_alias("y", ya, "x", xa)
+    _run(kind, RELU, ya, xa, None, _NO_MASK)
+
+
+def relu_backward(dx, dy, y):
+    """dx = dy where y > 0 else 0, y the output of relu_forward (where y is NaN, dx = dy,
+    as PyTorch); dx, dy, y: same shape. dx may be dy itself (in place)."""
+    cdef FloatKind kind
+    dya = _check_first("dy", dy, &kind)
+    ya = _check_like("y", y, dya, float_typenum(kind))
+    dxa = _check_like("dx", dx, dya, float_typenum(kind), output=True)
+    _check_alias("dx", dxa, "dy", dya)
+    _check_alias("dx", dxa, "y", ya)
+    _run(kind, RELU_BACKWARD, dxa, dya, ya, _NO_MASK)
+
+
+cdef Mask _mask(object keep, object p, uint64_t seed) except *:
+    """The dropout mask parameters for keep probability 1 - p, p a real number in [0, 1)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"p: expected a real number, got {type(p).__name__}")
+    cdef double pf = float(p)
+    if not 0 <= pf < 1:
+        raise ValueError(f"p: must be in [0, 1), got {p!r}")
+    cdef Mask m
+    m.keep = <unsigned char*> data(keep)
+    m.key = _splitmix64(seed)
+    # p < 1, so p * 2^53 rounds to at most 2^53 - 1: at least one hash value keeps.
+    m.threshold = <uint64_t> (pf * 9007199254740992.0)
+    m.scale = 1.0 / (1.0 - pf)
+    return m
+
+
+def dropout_forward(y, mask, x, p, seed):
+    """y = x * mask / (1 - p) with mask (uint8, 1 keep / 0 drop) drawn with keep probability
+    1 - p; x, y, mask: same shape; y, mask overwritten.
+
+    p in [0, 1) (p = 0 keeps everything, y = x). seed: int in [0, 2^64); the mask is a pure
+    function of (seed, flat element index). y may be x itself (in place)."""
+    cdef FloatKind kind
+    xa = _check_first("x", x, &kind)
+    ya = _check_like("y", y, xa, float_typenum(kind), output=True)
+    ma = _check_like("mask", mask, xa, cnp.NPY_UINT8, output=True)
+    _check_alias("y", ya, "x", xa)
+    check_disjoint("mask", ma, "x", xa)
+    check_disjoint("mask", ma, "y", ya)
+    seed = as_int("seed", seed)
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed: must be in [0, 2^64), got {seed}")
+    _run(kind, DROPOUT, ya, xa, None, _mask(ma, p, seed))
+
+
+def dropout_backward(dx, dy, mask, p):
+    """dx = dy * mask / (1 - p), mask (uint8) and p as given to dropout_forward; dx, dy,
+    mask: same shape. dx may be dy itself (in place)."""
+    cdef FloatKind kind
+    dya = _check_first("dy", dy, &kind)
+    ma = _check_like("mask", mask, dya, cnp.NPY_UINT8)
+    dxa = _check_like("dx", dx, dya, float_typenum(kind), output=True)
+    _check_alias("dx", dxa, "dy", dya)
+    check_disjoint("dx", dxa, "mask", ma)
+    _run(kind, APPLY_MASK, dxa, dya, None, _mask(ma, p, 0))   # seed unused: mask is given
+
+
+def add_forward(y, a, b):
+    """y = a + b elementwise (residual connection); a, b, y: same shape. y may be a or b
+    itself (in place)."""
+    cdef FloatKind kind
+    aa = _check_first("a", a, &kind)
+    ba = _check_like("b", b, aa, float_typenum(kind))
+    ya = _check_like("y", y, aa, float_typenum(kind), output=True)
+    _check_alias("y", ya, "a", aa)
+    _check_alias("y", ya, "b", ba)
+    _run(kind, ADD, ya, aa, ba, _NO_MASK)
+
+
+def add_backward(da, db, dy):
+    """da = dy and db = dy (the gradient of a sum reaches both summands unchanged); da, db,
+    dy: same shape, overwritten. Either of da, db may be None (not needed) or dy itself."""
+    cdef FloatKind kind
+    dya = _check_first("dy", dy, &kind)
+    outs = []
+    for name, out in (("da", da), ("db", db)):
+        if out is not None:
+            checked = _check_like(name, out, dya, float_typenum(kind), output=True)
+            _check_alias(name, checked, "dy", dya)
+            outs.append(checked)
+    if len(outs) == 2:
+        _check_alias("db", outs[1], "da", outs[0])
+    for out in outs:
+        if cnp.PyArray_DATA(<cnp.ndarray> out) != cnp.PyArray_DATA(dya):
+            _run(kind, COPY, out, dya, None, _NO_MASK)

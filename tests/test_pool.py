@@ -1,0 +1,316 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dynar.kernels import pool, threads
+from gradcheck import assert_gradient
+from conftest import require_torch
+
+# (N, C, H, W, kernel, stride, padding): stride = kernel (None), 1 and 2, padding 0/1/2, odd
+# and rectangular inputs, batch 1, non-square kernels, overlapping windows, a kernel as large
+# as the padded input.
+GRAD_CASES = [
+    (2, 3, 6, 6, 2, None, 0),
+    (1, 2, 7, 5, 3, 2, 1),
+    (2, 2, 5, 7, (2, 3), 1, (1, 1)),
+    (1, 1, 9, 8, 5, (2, 1), 2),
+    (3, 2, 5, 5, 3, 1, 0),
+    (1, 2, 7, 7, (3, 1), (1, 2), (1, 0)),
+    (1, 1, 3, 3, 5, 1, 2),
+    (2, 1, 4, 6, (4, 6), None, 0),
+]
+
+
+def _distinct(rng, shape):
+    # Max pool has kinks where two elements tie: distinct values 0.1 apart stay far from any
+    # tie under the checker's 1e-6 perturbations.
+    return (rng.permutation(int(np.prod(shape))).reshape(shape) * 0.1 - 1.0).astype(np.float64)
+
+
+def _maxpool(x, kernel, stride, padding, dy=None):
+    shape = pool.pool2d_output_shape(x.shape, kernel, stride, padding)
+    y, argmax = np.empty(shape, x.dtype), np.empty(shape, np.int64)
+    pool.maxpool2d_forward(y, argmax, x, kernel, stride, padding)
+    dx = None
+    if dy is not None:
+        dx = np.empty_like(x)
+        pool.maxpool2d_backward(dx, dy, argmax)
+    return y, argmax, dx
+
+
+def _avgpool(x, kernel, stride, padding, dy=None):
+    y = np.empty(pool.pool2d_output_shape(x.shape, kernel, stride, padding), x.dtype)
+    pool.avgpool2d_forward(y, x, kernel, stride, padding)
+    dx = None
+    if dy is not None:
+        dx = np.empty_like(x)
+        pool.avgpool2d_backward(dx, dy, kernel, stride, padding)
+    return y, dx
+
+
+def _global(x, dy=None):
+    y = np.empty(x.shape[:2], x.dtype)
+    pool.global_avgpool_forward(y, x)
+    dx = None
+    if dy is not None:
+        dx = np.empty_like(x)
+        pool.global_avgpool_backward(dx, dy)
+    return y, dx
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_maxpool2d_gradient_matches_central_differences(case, rng):
+    N, C, H, W, kernel, stride, padding = case
+    x = _distinct(rng, (N, C, H, W))
+    proj = rng.standard_normal(pool.pool2d_output_shape(x.shape, kernel, stride, padding))
+    dx = _maxpool(x, kernel, stride, padding, proj)[2]
+    assert_gradient("x", dx, lambda: float(np.sum(_maxpool(x, kernel, stride, padding)[0] * proj)), x)
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_avgpool2d_gradient_matches_central_differences(case, rng):
+    N, C, H, W, kernel, stride, padding = case
+    x = rng.standard_normal((N, C, H, W))
+    proj = rng.standard_normal(pool.pool2d_output_shape(x.shape, kernel, stride, padding))
+    dx = _avgpool(x, kernel, stride, padding, proj)[1]
+    assert_gradient("x", dx, lambda: float(np.sum(_avgpool(x, kernel, stride, padding)[0] * proj)), x)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 1, 1, 1), (1, 2, 4, 4)])
+def test_global_avgpool_gradient_matches_central_differences(shape, rng):
+    x = rng.standard_normal(shape)
+    proj = rng.standard_normal(shape[:2])
+    dx = _global(x, proj)[1]
+    assert_gradient("x", dx, lambda: float(np.sum(_global(x)[0] * proj)), x)
+
+
+def test_maxpool2d_ties_padding_and_nan_follow_pytorch():
+    x = np.array([[[[1.0, 3.0, 3.0, -np.inf],
+                    [3.0, 0.0, np.nan, np.nan],
+                    [-np.inf, -np.inf, 2.0, 2.0]]]])
+    y, argmax, _ = _maxpool(x, 2, 1, 0)
+    # Ties keep the first in row-major order; NaN wins and the last NaN gives the index.
+    np.testing.assert_array_equal(y, [[[[3.0, np.nan, np.nan], [3.0, np.nan, np.nan]]]])
+    np.testing.assert_array_equal(argmax, [[[[1, 6, 7], [4, 6, 7]]]])
+    # Padding counts as -inf: an all -inf window picks its first real element, never padding.
+    y, argmax, _ = _maxpool(np.full((1, 1, 2, 2), -np.inf), 3, 1, 1)
+    np.testing.assert_array_equal(argmax, [[[[0, 0], [0, 0]]]])
+
+
+def test_maxpool2d_backward_accumulates_overlapping_windows():
+    x = np.zeros((1, 1, 3, 3))
+    x[0, 0, 1, 1] = 5.0          # the max of all four overlapping 2x2 windows
+    dy = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    dx = _maxpool(x, 2, 1, 0, dy)[2]
+    expected = np.zeros_like(x)
+    expected[0, 0, 1, 1] = 10.0
+    np.testing.assert_array_equal(dx, expected)
+
+
+def test_avgpool2d_counts_padding_in_the_divisor():
+    y = _avgpool(np.ones((1, 1, 2, 2)), 3, 1, 1)[0]
+    np.testing.assert_allclose(y, np.full((1, 1, 2, 2), 4 / 9), rtol=1e-15)
+
+
+def _random_parity_cases(count, seed=7):
+    rng = np.random.default_rng(seed)
+    cases = []
+    for i in range(count):
+        kh, kw = (int(k) for k in rng.integers(1, 6, size=2))
+        stride = None if rng.integers(3) == 0 else tuple(int(s) for s in rng.integers(1, 4, size=2))
+        padding = (int(rng.integers(0, kh // 2 + 1)), int(rng.integers(0, kw // 2 + 1)))
+        H = int(rng.integers(max(1, kh - 2 * padding[0]), 16))
+        W = int(rng.integers(max(1, kw - 2 * padding[1]), 16))
+        op = ("max", "avg", "global")[i % 3]
+        cases.append((op, int(rng.integers(1, 5)), int(rng.integers(1, 7)), H, W,
+                      (kh, kw), stride, padding))
+    return cases
+
+
+@pytest.mark.parametrize("case", _random_parity_cases(60))
+def test_pool_float32_matches_pytorch(case, rng):
+    torch = require_torch()
+    F = torch.nn.functional
+    op, N, C, H, W, kernel, stride, padding = case
+    x = rng.standard_normal((N, C, H, W)).astype(np.float32)
+    xt = torch.tensor(x, requires_grad=True)
+    if op == "max":
+        yt, it = F.max_pool2d(xt, kernel, stride, padding, return_indices=True)
+    elif op == "avg":
+        yt = F.avg_pool2d(xt, kernel, stride, padding)
+    else:
+        yt = F.adaptive_avg_pool2d(xt, 1).reshape(N, C)
+    dy = rng.standard_normal(tuple(yt.shape)).astype(np.float32)
+    yt.backward(torch.tensor(dy))
+    if op == "max":
+        y, argmax, dx = _maxpool(x, kernel, stride, padding, dy)
+        # A max selects an element: value and index must be exact.
+        np.testing.assert_array_equal(y, yt.detach().numpy())
+        np.testing.assert_array_equal(argmax, it.numpy())
+    elif op == "avg":
+        y, dx = _avgpool(x, kernel, stride, padding, dy)
+    else:
+        y, dx = _global(x, dy)
+    # Sums of O(1) float32 values, possibly in another order than torch's: a few ulps.
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_pool_thread_count_one_vs_two_is_bitwise(rng):
+    x = rng.standard_normal((3, 7, 13, 11)).astype(np.float32)
+    dy_pool = rng.standard_normal(pool.pool2d_output_shape(x.shape, 3, 2, 1)).astype(np.float32)
+    dy_global = rng.standard_normal((3, 7)).astype(np.float32)
+
+    def run():
+        return (*_maxpool(x, 3, 2, 1, dy_pool), *_avgpool(x, 3, 2, 1, dy_pool),
+                *_global(x, dy_global))
+
+    before = threads.get_num_threads()
+    try:
+        threads.set_num_threads(1)
+        one = run()
+        threads.set_num_threads(2)
+        two = run()
+    finally:
+        threads.set_num_threads(before)
+    # Each plane is computed by one thread from start to end: no result depends on the split.
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_pool2d_output_shape_follows_pytorch_rules():
+    assert pool.pool2d_output_shape((2, 3, 7, 6), 2) == (2, 3, 3, 3)
+    assert pool.pool2d_output_shape((2, 3, 7, 6), (3, 2), (2, 1), (1, 0)) == (2, 3, 4, 5)
+    assert pool.pool2d_output_shape([1, 1, 1, 1], 3, 1, 1) == (1, 1, 1, 1)
+    with pytest.raises(ValueError, match="^padding: must be at most half"):
+        pool.pool2d_output_shape((1, 1, 8, 8), 3, 1, 2)
+    with pytest.raises(ValueError, match="^kernel: 5x5 is larger than the padded input 4x4"):
+        pool.pool2d_output_shape((1, 1, 4, 4), 5)
+    with pytest.raises(ValueError, match="^kernel: must be >= 1"):
+        pool.pool2d_output_shape((1, 1, 4, 4), 0)
+    with pytest.raises(ValueError, match="^stride: must be >= 1"):
+        pool.pool2d_output_shape((1, 1, 4, 4), 2, (1, -1))
+    with pytest.raises(ValueError, match="^padding: unreasonably large"):
+        pool.pool2d_output_shape((1, 1, 4, 4), 2, 1, 2 ** 41)
+    with pytest.raises(ValueError, match="^x: expected 4 dimensions"):
+        pool.pool2d_output_shape((1, 4, 4), 2)
+    with pytest.raises(TypeError, match="^x: expected a shape"):
+        pool.pool2d_output_shape(4, 2)
+    with pytest.raises(TypeError, match="^kernel: expected an int"):
+        pool.pool2d_output_shape((1, 1, 4, 4), 2.0)
+
+
+def test_pool_with_huge_kernel_and_padding_stays_in_bounds():
+    # padding <= kernel//2 lets a 2^40 kernel through on a 1x1 input: one window, one element,
+    # and a divisor (2^80) no integer type holds.
+    x = np.full((1, 1, 1, 1), 3.0)
+    k, p = 2 ** 40, 2 ** 39
+    assert pool.pool2d_output_shape(x.shape, k, None, p) == (1, 1, 1, 1)
+    np.testing.assert_array_equal(_maxpool(x, k, None, p)[0], x)
+    y, dx = _avgpool(x, k, None, p, np.ones_like(x))
+    np.testing.assert_allclose(y, 3.0 * 2.0 ** -80, rtol=1e-15)
+    np.testing.assert_allclose(dx, 2.0 ** -80, rtol=1e-15)
+
+
+def _valid_args(op):
+    """A valid float32 call of entry point `op`: its arrays by name, then its other arguments
+    (kernel, stride, padding)."""
+    x = np.zeros((2, 3, 6, 5), np.float32)
+    out = np.zeros((2, 3, 3, 2), np.float32)
+    if op == "maxpool2d_forward":
+        return dict(y=out, argmax=np.zeros(out.shape, np.int64), x=x), (2, None, 0)
+    if op == "maxpool2d_backward":
+        return dict(dx=x, dy=out, argmax=np.zeros(out.shape, np.int64)), ()
+    if op == "avgpool2d_forward":
+        return dict(y=out, x=x), (2, None, 0)
+    if op == "avgpool2d_backward":
+        return dict(dx=x, dy=out), (2, None, 0)
+    if op == "global_avgpool_forward":
+        return dict(y=np.zeros((2, 3), np.float32), x=x), ()
+    return dict(dx=x, dy=np.zeros((2, 3), np.float32)), ()
+
+
+ENTRY_POINTS = ["maxpool2d_forward", "maxpool2d_backward", "avgpool2d_forward",
+                "avgpool2d_backward", "global_avgpool_forward", "global_avgpool_backward"]
+
+
+@pytest.mark.parametrize("op", ENTRY_POINTS)
+def test_pool_zero_size_dimensions_are_value_errors_naming_the_argument(op):
+    arrays, rest = _valid_args(op)
+    getattr(pool, op)(*arrays.values(), *rest)   # the unmodified call is valid
+    for name, arr in arrays.items():
+        for dim in range(arr.ndim):
+            shape = list(arr.shape)
+            shape[dim] = 0
+            args = dict(arrays, **{name: np.zeros(shape, arr.dtype)})
+            with pytest.raises(ValueError, match=f"^{name}: "):
+                getattr(pool, op)(*args.values(), *rest)
+
+
+def test_pool_errors_name_the_argument():
+    x = np.zeros((1, 2, 4, 4), np.float32)
+    y = np.zeros((1, 2, 2, 2), np.float32)
+    argmax = np.zeros(y.shape, np.int64)
+    with pytest.raises(TypeError, match="^x: "):
+        pool.maxpool2d_forward(y, argmax, x.astype(np.int32), 2)
+    with pytest.raises(TypeError, match="^y: "):
+        pool.maxpool2d_forward(y.astype(np.float64), argmax, x, 2)
+    with pytest.raises(TypeError, match="^argmax: "):
+        pool.maxpool2d_forward(y, argmax.astype(np.int32), x, 2)
+    with pytest.raises(ValueError, match="^y: expected shape"):
+        pool.avgpool2d_forward(y, x, 3)
+    with pytest.raises(ValueError, match="^x: must be C-contiguous"):
+        pool.avgpool2d_forward(y, np.zeros((1, 2, 8, 8), np.float32)[:, :, ::2, ::2], 2)
+    with pytest.raises(ValueError, match="^y: output array is read-only"):
+        ro = y.copy()
+        ro.flags.writeable = False
+        pool.avgpool2d_forward(ro, x, 2)
+    with pytest.raises(ValueError, match="^dx: expected \\(N, C\\)"):
+        pool.maxpool2d_backward(np.zeros((1, 3, 4, 4), np.float32), y, argmax)
+    with pytest.raises(ValueError, match="^y: expected shape"):
+        pool.global_avgpool_forward(np.zeros((2, 1), np.float32), x)
+    with pytest.raises(ValueError, match="^y must not overlap x"):
+        flat = np.zeros(2 * x.size, np.float32)
+        pool.avgpool2d_forward(flat[:8].reshape(y.shape), flat[:x.size].reshape(x.shape), 2)
+
+
+@pytest.mark.parametrize("bad", [-1, 16, -2 ** 62])
+def test_maxpool2d_backward_refuses_out_of_range_argmax_before_writing(bad):
+    dy = np.ones((1, 2, 2, 2), np.float32)
+    argmax = np.zeros(dy.shape, np.int64)
+    argmax[0, 1, 1, 0] = bad
+    dx = np.full((1, 2, 4, 4), 7.0, np.float32)
+    with pytest.raises(ValueError, match="^argmax: 1 values outside \\[0, H\\*W\\) = \\[0, 16\\)"):
+        pool.maxpool2d_backward(dx, dy, argmax)
+    assert (dx == 7.0).all()
+
+
+bad_values = st.one_of(
+    st.none(), st.integers(-3, 3), st.integers(2 ** 40, 2 ** 70), st.floats(allow_nan=True),
+    st.text(max_size=2), st.booleans(),
+    st.tuples(st.integers(-1, 3), st.integers(-1, 3)),
+    st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 9), st.integers(0, 9),
+              st.sampled_from([np.float32, np.float64, np.int64, np.int32, np.uint8]),
+              st.booleans()).map(
+        lambda t: np.zeros(t[:4], t[4]) if t[5] else np.zeros(t[:4], t[4])[..., ::-1]),
+    st.lists(st.integers(0, 5), max_size=5).map(lambda s: np.zeros(s, np.float32)),
+    st.lists(st.integers(-5, 40), min_size=1, max_size=8).map(
+        lambda v: np.array(v, np.int64).reshape(-1, 1, 1, 1)),   # argmax-like, out of range
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(op=st.sampled_from(ENTRY_POINTS + ["pool2d_output_shape"]), data=st.data())
+def test_pool_bad_input_always_raises_a_python_exception(op, data):
+    if op == "pool2d_output_shape":
+        args = [(2, 3, 6, 5), 2, None, 0]
+    else:
+        arrays, rest = _valid_args(op)
+        args = list(arrays.values()) + list(rest)
+    # Start from a valid call so that each check is reached, then spoil 1 to 3 arguments.
+    for i in data.draw(st.lists(st.integers(0, len(args) - 1), min_size=1, max_size=3)):
+        args[i] = data.draw(bad_values)
+    try:
+        getattr(pool, op)(*args)
+    except (TypeError, ValueError):
+        pass
