@@ -1,0 +1,165 @@
+"""Checkpoints: a nested dict of numpy arrays and plain Python values, saved atomically.
+
+Container: an uncompressed .npz (zip) with no pickle anywhere:
+  meta.npy  JSON {"format": "dynar-checkpoint", "version": 1, "sha256": ...}
+  tree.npy  JSON describing the nested structure; arrays appear as references "a0", "a1", ...
+  a<k>.npy  the arrays, dtype and shape preserved
+The SHA-256 covers the tree and every array's dtype, shape and bytes, so a truncated or
+corrupted file is detected at load instead of silently resuming from bad weights.
+
+Structure encoding: JSON scalars (None, bool, int, float incl. nan/inf, str) stand for
+themselves; containers and arrays are one-key objects: {"dict": [[key, node], ...]} (keys str
+or int, order kept), {"list": [...]}, {"tuple": [...]}, {"array": "a3"} for an ndarray,
+{"scalar": "a3"} for a numpy scalar (stored 0-d to keep its dtype).
+"""
+import hashlib
+import json
+import os
+import tempfile
+
+import numpy as np
+
+FORMAT = "dynar-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, truncated or corrupt; the message is one line naming the path."""
+
+
+def save(path, state):
+    """Write state (a dict) to path atomically: path holds either the old or the new checkpoint.
+
+    The data goes to a hidden temporary file in the same directory (same filesystem, so the
+    rename is atomic), is fsync'ed, renamed over path, and the directory is fsync'ed so the
+    rename itself survives a crash. If anything fails, the temporary file is removed.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    arrays = {}
+    tree = json.dumps(_encode(state, arrays, "state")).encode()
+    members = {"tree": np.frombuffer(tree, np.uint8), **arrays}
+    meta = {"format": FORMAT, "version": VERSION, "sha256": _digest(tree, arrays)}
+    members["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **members)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Also on KeyboardInterrupt: never leave the half-written temporary behind.
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def load(path):
+    """The dict saved at path; CheckpointError if it is missing, truncated or corrupt."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    try:
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise CheckpointError(f"{path}: not a dynar checkpoint (a bare .npy array)")
+        with archive:
+            names = set(archive.files)
+            if not {"meta", "tree"} <= names:
+                raise CheckpointError(f"{path}: not a dynar checkpoint (no meta/tree entries)")
+            meta = json.loads(archive["meta"].tobytes())
+            if meta.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: not a dynar checkpoint (format {meta.get('format')!r})")
+            if meta.get("version") != VERSION:
+                raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')}, "
+                                      f"this dynar reads version {VERSION}")
+            tree = archive["tree"].tobytes()
+            arrays = {name: archive[name] for name in names - {"meta", "tree"}}
+    except CheckpointError:
+        raise
+    except Exception as e:
+        # Damaged bytes make zipfile, numpy's .npy header parser or json raise nearly
+        # anything (BadZipFile, NotImplementedError, tokenize.TokenError, MemoryError for a
+        # huge bogus shape, ...); all of them mean the same thing here.
+        raise CheckpointError(f"{path}: corrupt or truncated checkpoint ({_one_line(e)})") from None
+    if _digest(tree, arrays) != meta.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch, the checkpoint is corrupt")
+    try:
+        return _decode(json.loads(tree), arrays)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: malformed structure ({_one_line(e)})") from None
+
+
+def _encode(node, arrays, where):
+    """JSON-able description of node; arrays are moved into `arrays` under fresh names."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, (np.ndarray, np.generic)):
+        array = np.asarray(node)
+        if array.dtype.hasobject:
+            raise TypeError(f"{where}: object arrays cannot be checkpointed without pickle")
+        name = f"a{len(arrays)}"
+        arrays[name] = array
+        return {"array" if isinstance(node, np.ndarray) else "scalar": name}
+    if isinstance(node, dict):
+        for key in node:
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise TypeError(f"{where}: dict key {key!r} is not a str or int")
+        return {"dict": [[k, _encode(v, arrays, f"{where}[{k!r}]")] for k, v in node.items()]}
+    if isinstance(node, (list, tuple)):
+        items = [_encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(node)]
+        return {"list" if isinstance(node, list) else "tuple": items}
+    raise TypeError(f"{where}: cannot checkpoint a {type(node).__name__}")
+
+
+def _decode(node, arrays):
+    if not isinstance(node, dict):
+        return node
+    (kind, value), = node.items()
+    if kind == "dict":
+        return {k: _decode(v, arrays) for k, v in value}
+    if kind == "list":
+        return [_decode(v, arrays) for v in value]
+    if kind == "tuple":
+        return tuple(_decode(v, arrays) for v in value)
+    if kind == "array":
+        return arrays[value]
+    if kind == "scalar":
+        return arrays[value][()]
+    raise ValueError(f"unknown node kind {kind!r}")
+
+
+def _digest(tree, arrays):
+    h = hashlib.sha256(tree)
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+        h.update(array.reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+def _fsync_dir(folder):
+    """Persist the directory entry of a rename (POSIX; Windows cannot open directories)."""
+    # Where that is impossible the rename has still happened; only its durability across a
+    # power loss is weaker, which is no reason to fail a save that succeeded.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _one_line(error):
+    return " ".join(str(error).split())
