@@ -1,0 +1,121 @@
+"""One fused SGD step over the flat parameter, gradient and momentum buffers (torch.optim.SGD).
+
+Per element, in the parameters' precision:
+    d = g + weight_decay p                                   (if weight_decay != 0)
+    if momentum != 0:
+        buf = momentum buf + (1 - dampening) d
+        d = d + momentum buf   if nesterov   else   buf
+    p = p - lr d
+
+PyTorch starts the buffer as a copy of the first d; dynar starts it at zero, and with
+dampening 0 the first step gives buf = momentum*0 + 1*d = d bit for bit, so no first-step
+flag is needed. PyTorch also leaves that first d undamped: a caller using dampening > 0
+matches it by passing dampening=0 on the first step.
+
+Parallelism: prange over chunks of CHUNK elements. Every element is updated on its own, so the
+thread count never changes a bit of the result.
+"""
+import numbers
+
+from cython cimport floating
+from cython.parallel cimport prange
+from libc.math cimport isfinite
+cimport numpy as cnp
+cimport openmp
+
+from _validate cimport F32, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
+
+cnp.import_array()
+
+# Elements per parallel work item: below this the update takes a few microseconds, less
+# than waking a second thread costs, so small buffers run on one thread.
+DEF CHUNK = 32768
+
+
+cdef void _step(floating* p, floating* buf, const floating* g, Py_ssize_t n, floating lr,
+                floating momentum, floating weight_decay, floating keep,
+                bint nesterov) noexcept nogil:
+    """p, g: (n,); buf: (n,), or NULL for no momentum; keep = 1 - dampening."""
+    cdef Py_ssize_t chunks = (n + CHUNK - 1) // CHUNK
+    cdef int threads = openmp.omp_get_max_threads()
+    cdef Py_ssize_t chunk, lo, hi, i
+    cdef floating d
+    if chunks < threads:
+        threads = <int> chunks
+    # Parallel over chunks of elements: the update of each element reads and writes only that
+    # element. The branches test loop-invariant flags, which the compiler hoists out.
+    for chunk in prange(chunks, schedule="static", num_threads=threads):
+        lo = chunk * CHUNK
+        hi = lo + CHUNK if lo + CHUNK < n else n
+        for i in range(lo, hi):
+            d = g[i]
+            # Skipped, not multiplied by 0, at weight_decay 0: 0 * inf would poison d.
+            if weight_decay != 0:
+                d = d + weight_decay * p[i]
+            if buf != NULL:
+                buf[i] = momentum * buf[i] + keep * d
+                if nesterov:
+                    d = d + momentum * buf[i]
+                else:
+                    d = buf[i]
+            p[i] = p[i] - lr * d
+
+
+cdef double _real(str name, object value) except? -1:
+    """value as a finite float, else TypeError/ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    try:
+        result = float(value)
+    except OverflowError:
+        raise ValueError(f"{name}: must be finite, got {value!r}") from None
+    if not isfinite(result):
+        raise ValueError(f"{name}: must be finite, got {value!r}")
+    return result
+
+
+def sgd_step(params, grads, momentum_buf, lr, momentum=0.0, weight_decay=0.0, nesterov=False,
+             dampening=0.0):
+    """params (n,) -= lr * the SGD direction from grads (n,), in place, as torch.optim.SGD.
+
+    momentum_buf (n,) holds the velocity between steps (start it at zeros) and is updated in
+    place; it may be None when momentum == 0, and is left untouched then."""
+    cdef FloatKind kind = float_kind("params", params)
+    pa = check_float("params", params, 1, kind, output=True)
+    if (<object> pa).size == 0:
+        raise ValueError("params: must have at least one element")
+    ga = check_float("grads", grads, 1, kind)
+    check_shape("grads", ga, (<object> pa).shape)
+    check_disjoint("params", pa, "grads", ga)
+    cdef double c_lr = _real("lr", lr)
+    cdef double c_momentum = _real("momentum", momentum)
+    cdef double c_weight_decay = _real("weight_decay", weight_decay)
+    cdef double c_dampening = _real("dampening", dampening)
+    for name, value in (("lr", c_lr), ("momentum", c_momentum),
+                        ("weight_decay", c_weight_decay)):
+        if value < 0:
+            raise ValueError(f"{name}: must be >= 0, got {value!r}")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov: expected a bool, got {type(nesterov).__name__}")
+    if nesterov and (c_momentum <= 0 or c_dampening != 0):
+        raise ValueError("nesterov: Nesterov momentum requires momentum > 0 and dampening == 0")
+    ba = None
+    if momentum_buf is not None:
+        ba = check_float("momentum_buf", momentum_buf, 1, kind, output=True)
+        check_shape("momentum_buf", ba, (<object> pa).shape)
+        check_disjoint("momentum_buf", ba, "params", pa)
+        check_disjoint("momentum_buf", ba, "grads", ga)
+    elif c_momentum != 0:
+        raise ValueError(f"momentum_buf: required when momentum != 0 (momentum = {momentum!r})")
+    cdef void* pp = data(pa)
+    cdef void* gp = data(ga)
+    cdef void* bp = data(ba) if c_momentum != 0 else NULL
+    cdef Py_ssize_t n = (<object> pa).size
+    cdef bint c_nesterov = nesterov
+    with nogil:
+        if kind == F32:
+            _step(<float*> pp, <float*> bp, <float*> gp, n, <float> c_lr, <float> c_momentum,
+                  <float> c_weight_decay, <float> (1 - c_dampening), c_nesterov)
+        else:
+            _step(<double*> pp, <double*> bp, <double*> gp, n, c_lr, c_momentum,
+                  c_weight_decay, 1 - c_dampening, c_nesterov)
