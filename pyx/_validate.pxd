@@ -6,6 +6,7 @@
 # Every module that cimports this must call cnp.import_array() at module level.
 cimport numpy as cnp
 from cpython.number cimport PyNumber_Index
+from libc.math cimport isfinite
 
 # Element kinds the kernels are instantiated for (cython.floating): float32 trains, float64
 # exists for gradient checks.
@@ -74,6 +75,22 @@ cdef inline object as_int(str name, object value):
         return int(PyNumber_Index(value))
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+cdef inline double check_real(str name, object value) except? -1:
+    """value as a finite float (a Python or numpy real, not bool), else TypeError/ValueError
+    naming `name`."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    try:
+        result = float(value)
+    except OverflowError:
+        raise ValueError(f"{name}: must be finite, got {value!r}") from None
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}") from None
+    if isinstance(value, complex) or not isfinite(result):
+        raise ValueError(f"{name}: must be finite, got {value!r}")
+    return result
 
 
 cdef inline Py_ssize_t check_positive(str name, object value) except -1:

@@ -18,22 +18,15 @@ one-pass E[x^2] - E[x]^2 loses every digit once |mean| is large against the spre
 Parallelism: prange over channels. A channel's sums stay in one thread in a fixed order, so
 results are bitwise the same for every thread count.
 """
-import numbers
-
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.math cimport isfinite, sqrt
+from libc.math cimport sqrt
 cimport numpy as cnp
-cimport openmp
 
-from _validate cimport F32, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
+from _parallel cimport threads_for
+from _validate cimport check_real, F32, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
 
 cnp.import_array()
-
-
-cdef inline int _threads_for(Py_ssize_t C) noexcept nogil:
-    cdef int threads = openmp.omp_get_max_threads()
-    return <int> C if C < threads else threads
 
 
 cdef void _forward(floating* y, floating* mean, floating* invstd, floating* running_mean,
@@ -49,7 +42,7 @@ cdef void _forward(floating* y, floating* mean, floating* invstd, floating* runn
     cdef floating mu_c, scale, shift
     # Parallel over channels: each channel's statistics and outputs are independent of the
     # others, and each of its sums stays in one thread.
-    for c in prange(C, schedule="static", num_threads=_threads_for(C)):
+    for c in prange(C, schedule="static", num_threads=threads_for(C)):
         if training:
             acc = 0
             for n in range(N):
@@ -93,7 +86,7 @@ cdef void _backward(floating* dx, floating* dgamma, floating* dbeta, const float
     cdef double sum_dy, sum_dy_xc
     cdef floating mu_c, scale, mean_dy, xc_coef
     # Parallel over channels, as forward: a channel's sums and its dx slice are its own.
-    for c in prange(C, schedule="static", num_threads=_threads_for(C)):
+    for c in prange(C, schedule="static", num_threads=threads_for(C)):
         mu_c = mean[c]
         sum_dy = 0
         sum_dy_xc = 0       # sum(dy (x - mean)); times invstd it is sum(dy xhat)
@@ -120,17 +113,6 @@ cdef void _backward(floating* dx, floating* dgamma, floating* dbeta, const float
                     dx[off + i] = dy[off + i] * scale
 
 
-cdef double _real(str name, object value) except? -1:
-    """value as a finite float, else TypeError/ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
-    try:
-        result = float(value)
-    except OverflowError:
-        raise ValueError(f"{name}: must be finite, got {value!r}") from None
-    if not isfinite(result):
-        raise ValueError(f"{name}: must be finite, got {value!r}")
-    return result
 
 
 cdef tuple _check_x(object x, object training, FloatKind* kind):
@@ -171,10 +153,10 @@ def batchnorm2d_forward(y, mean, invstd, x, gamma, beta, running_mean, running_v
     if training and N * HW == 1:
         raise ValueError(f"x: expected more than 1 value per channel when training, "
                          f"got shape {(<object> xa).shape}")
-    cdef double c_momentum = _real("momentum", momentum)
+    cdef double c_momentum = check_real("momentum", momentum)
     if not 0 <= c_momentum <= 1:
         raise ValueError(f"momentum: must be in [0, 1], got {momentum!r}")
-    cdef double c_eps = _real("eps", eps)
+    cdef double c_eps = check_real("eps", eps)
     if c_eps <= 0:
         raise ValueError(f"eps: must be > 0, got {eps!r}")
     ya = check_float("y", y, 4, kind, output=True)

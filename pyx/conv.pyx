@@ -210,8 +210,8 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                    int threads) noexcept nogil:
     cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
     cdef Py_ssize_t grp, n0, g, gn, co, p, oh0, oh1, cols, ld_col, ld_out
-    cdef floating* col
-    cdef floating* gathered
+    cdef floating* col = NULL
+    cdef floating* gathered = NULL
     cdef floating* out
     cdef const floating* colp
     cdef floating beta
@@ -267,10 +267,10 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t wsize = s.Co * s.K
     cdef Py_ssize_t slot = wsize + s.Co
     cdef Py_ssize_t grp, n0, g, gn, co, p, oh0, oh1, cols, ld_col, ld_dy, t, i
-    cdef floating* col
-    cdef floating* gathered
-    cdef floating* dwt
-    cdef floating* dbt
+    cdef floating* col = NULL
+    cdef floating* gathered = NULL
+    cdef floating* dwt = NULL
+    cdef floating* dbt = NULL
     cdef const floating* colp
     cdef const floating* dyp
     cdef floating acc

@@ -17,9 +17,9 @@ from cython cimport floating
 from cython.parallel cimport prange
 from libc.string cimport memcpy
 cimport numpy as cnp
-cimport openmp
 
 from _blas cimport gemm
+from _parallel cimport threads_for
 from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_float, check_shape,
                         data, float_kind)
 
@@ -31,11 +31,6 @@ cnp.import_array()
 DEF BLOCK = 64
 
 
-cdef inline int _threads_for(Py_ssize_t blocks) noexcept nogil:
-    cdef int threads = openmp.omp_get_max_threads()
-    return <int> blocks if blocks < threads else threads
-
-
 cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
                    Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out) noexcept nogil:
     """y: (N, Out); x: (N, In); w: (Out, In); b: (Out,) or NULL."""
@@ -44,7 +39,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef floating beta
     # Parallel over blocks of output columns (rows of w): independent GEMMs, each summing
     # over all of `in`, each touching only its own columns of y.
-    for blk in prange(blocks, schedule="static", num_threads=_threads_for(blocks)):
+    for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         j0 = blk * BLOCK
         cols = BLOCK if j0 + BLOCK <= Out else Out - j0
         beta = 0
@@ -66,7 +61,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     if dx != NULL:
         blocks = (In + BLOCK - 1) // BLOCK
         # Parallel over blocks of dx's columns (columns of w): the `out` sum stays whole.
-        for blk in prange(blocks, schedule="static", num_threads=_threads_for(blocks)):
+        for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
             i0 = blk * BLOCK
             cols = BLOCK if i0 + BLOCK <= In else In - i0
             gemm(False, False, <int> N, <int> cols, <int> Out, <floating> 1, dy, <int> Out,
@@ -74,7 +69,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     blocks = (Out + BLOCK - 1) // BLOCK
     # Parallel over blocks of output features (rows of dw, entries of db): each thread owns
     # its rows outright and accumulates straight into dw/db; the batch sum stays whole.
-    for blk in prange(blocks, schedule="static", num_threads=_threads_for(blocks)):
+    for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         o0 = blk * BLOCK
         rows = BLOCK if o0 + BLOCK <= Out else Out - o0
         gemm(True, False, <int> rows, <int> In, <int> N, <floating> 1, dy + o0, <int> Out,

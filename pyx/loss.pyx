@@ -11,24 +11,17 @@ which is -inf once a probability rounds to zero. Exponentials and sums run in do
 Parallelism: prange over rows (samples). Each row's loss goes to its own slot and the slots
 are summed in row order afterwards, so the loss is bitwise the same for every thread count.
 """
-import numbers
-
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.math cimport exp, isfinite, log
+from libc.math cimport exp, log
 from libc.stdlib cimport malloc, free
 cimport numpy as cnp
-cimport openmp
 
-from _validate cimport (F32, FloatKind, check_array, check_disjoint, check_float, check_shape,
+from _parallel cimport threads_for
+from _validate cimport (check_real, F32, FloatKind, check_array, check_disjoint, check_float, check_shape,
                         data, float_kind)
 
 cnp.import_array()
-
-
-cdef inline int _threads_for(Py_ssize_t rows) noexcept nogil:
-    cdef int threads = openmp.omp_get_max_threads()
-    return <int> rows if rows < threads else threads
 
 
 cdef double _forward(floating* probs, double* row_loss, const floating* logits,
@@ -39,7 +32,7 @@ cdef double _forward(floating* probs, double* row_loss, const floating* logits,
     cdef floating* p
     cdef double top, e, total
     # Parallel over rows: every sample's softmax and loss are independent of the others.
-    for n in prange(N, schedule="static", num_threads=_threads_for(N)):
+    for n in prange(N, schedule="static", num_threads=threads_for(N)):
         row = logits + n * K
         p = probs + n * K
         top = row[0]
@@ -65,7 +58,7 @@ cdef void _backward(floating* dlogits, const floating* probs, const cnp.int64_t*
     """dlogits, probs: (N, K); labels: (N,); coef = scale / N."""
     cdef Py_ssize_t n, k, off
     # Parallel over rows: each row of dlogits depends on its own row of probs only.
-    for n in prange(N, schedule="static", num_threads=_threads_for(N)):
+    for n in prange(N, schedule="static", num_threads=threads_for(N)):
         off = n * K
         for k in range(K):
             dlogits[off + k] = probs[off + k] * coef
@@ -73,17 +66,6 @@ cdef void _backward(floating* dlogits, const floating* probs, const cnp.int64_t*
         dlogits[off] = (probs[off] - 1) * coef
 
 
-cdef double _real(str name, object value) except? -1:
-    """value as a finite float, else TypeError/ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
-    try:
-        result = float(value)
-    except OverflowError:
-        raise ValueError(f"{name}: must be finite, got {value!r}") from None
-    if not isfinite(result):
-        raise ValueError(f"{name}: must be finite, got {value!r}")
-    return result
 
 
 cdef tuple _check_rows(str name, object arr, object labels, FloatKind* kind):
@@ -139,7 +121,7 @@ def softmax_cross_entropy_backward(dlogits, probs, labels, scale=1.0):
     scale is d(total loss)/d(mean cross-entropy), 1 when the cross-entropy is the loss."""
     cdef FloatKind kind
     probsa, la, N, K = _check_rows("probs", probs, labels, &kind)
-    cdef double coef = _real("scale", scale) / N
+    cdef double coef = check_real("scale", scale) / N
     dla = check_float("dlogits", dlogits, 2, kind, output=True)
     check_shape("dlogits", dla, (N, K))
     check_disjoint("dlogits", dla, "probs", probsa)

@@ -15,15 +15,12 @@ matches it by passing dampening=0 on the first step.
 Parallelism: prange over chunks of CHUNK elements. Every element is updated on its own, so the
 thread count never changes a bit of the result.
 """
-import numbers
-
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.math cimport isfinite
 cimport numpy as cnp
 cimport openmp
 
-from _validate cimport F32, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
+from _validate cimport check_real, F32, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
 
 cnp.import_array()
 
@@ -61,17 +58,6 @@ cdef void _step(floating* p, floating* buf, const floating* g, Py_ssize_t n, flo
             p[i] = p[i] - lr * d
 
 
-cdef double _real(str name, object value) except? -1:
-    """value as a finite float, else TypeError/ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
-    try:
-        result = float(value)
-    except OverflowError:
-        raise ValueError(f"{name}: must be finite, got {value!r}") from None
-    if not isfinite(result):
-        raise ValueError(f"{name}: must be finite, got {value!r}")
-    return result
 
 
 def sgd_step(params, grads, momentum_buf, lr, momentum=0.0, weight_decay=0.0, nesterov=False,
@@ -87,10 +73,10 @@ def sgd_step(params, grads, momentum_buf, lr, momentum=0.0, weight_decay=0.0, ne
     ga = check_float("grads", grads, 1, kind)
     check_shape("grads", ga, (<object> pa).shape)
     check_disjoint("params", pa, "grads", ga)
-    cdef double c_lr = _real("lr", lr)
-    cdef double c_momentum = _real("momentum", momentum)
-    cdef double c_weight_decay = _real("weight_decay", weight_decay)
-    cdef double c_dampening = _real("dampening", dampening)
+    cdef double c_lr = check_real("lr", lr)
+    cdef double c_momentum = check_real("momentum", momentum)
+    cdef double c_weight_decay = check_real("weight_decay", weight_decay)
+    cdef double c_dampening = check_real("dampening", dampening)
     for name, value in (("lr", c_lr), ("momentum", c_momentum),
                         ("weight_decay", c_weight_decay)):
         if value < 0:
