@@ -113,6 +113,22 @@ cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const Conv
                     src += s.Wo
 
 
+cdef const floating* unfold(floating* col, Py_ssize_t* ld, const floating* x,
+                            const ConvShape* s, Py_ssize_t n0, Py_ssize_t gn,
+                            Py_ssize_t oh0, Py_ssize_t oh1) noexcept nogil:
+    """The GEMM operand (K, cols) for images [n0, n0+gn), output rows [oh0, oh1): im2col
+    into col, except for a single image of a 1x1 stride-1 unpadded conv, whose operand is
+    the image itself. Sets *ld to the operand's row stride."""
+    cdef Py_ssize_t g, cols = gn * (oh1 - oh0) * s.Wo
+    if s.direct and gn == 1:
+        ld[0] = s.P
+        return x + n0 * s.C * s.P + oh0 * s.Wo
+    for g in range(gn):
+        im2col(col + g * (oh1 - oh0) * s.Wo, cols, x + (n0 + g) * s.C * s.H * s.W, s, oh0, oh1)
+    ld[0] = cols
+    return col
+
+
 cdef struct ConvShape:
     Py_ssize_t N, C, H, W, Co, kh, kw, sh, sw, ph, pw, Ho, Wo
     Py_ssize_t K       # C*kh*kw, rows of col
@@ -227,15 +243,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
             while oh0 < s.Ho:
                 oh1 = oh0 + s.R if oh0 + s.R < s.Ho else s.Ho
                 cols = gn * (oh1 - oh0) * s.Wo
-                if s.direct and gn == 1:
-                    colp = x + n0 * s.C * s.P + oh0 * s.Wo
-                    ld_col = s.P
-                else:
-                    for g in range(gn):
-                        im2col(col + g * (oh1 - oh0) * s.Wo, cols,
-                               x + (n0 + g) * s.C * s.H * s.W, &s, oh0, oh1)
-                    colp = col
-                    ld_col = cols
+                colp = unfold(col, &ld_col, x, &s, n0, gn, oh0, oh1)
                 # One image: GEMM straight into y[n]; several: into a buffer, then scatter.
                 if gn == 1:
                     out = y + n0 * s.Co * s.P + oh0 * s.Wo
@@ -301,15 +309,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                                    dy + ((n0 + g) * s.Co + co) * s.P, s.P * sizeof(floating))
                     dyp = gathered
                     ld_dy = cols
-                if s.direct and gn == 1:
-                    colp = x + n0 * s.C * s.P + oh0 * s.Wo
-                    ld_col = s.P
-                else:
-                    for g in range(gn):
-                        im2col(col + g * (oh1 - oh0) * s.Wo, cols,
-                               x + (n0 + g) * s.C * s.H * s.W, &s, oh0, oh1)
-                    colp = col
-                    ld_col = cols
+                colp = unfold(col, &ld_col, x, &s, n0, gn, oh0, oh1)
                 gemm(False, True, <int> s.Co, <int> s.K, <int> cols, <floating> 1, dyp,
                      <int> ld_dy, colp, <int> ld_col, <floating> 1, dwt, <int> s.K)
                 if db != NULL:

@@ -7,8 +7,6 @@ compiled against; running it on another implementation would break the ABI silen
 that is refused here with the fix spelled out.
 """
 import os
-import sys
-import traceback
 
 _state = {}
 
@@ -79,22 +77,3 @@ def node_layout(comm):
     layout = (local.Get_size(), local.Get_rank(), leaders)
     local.Free()
     return layout
-
-
-def abort_on_exception(comm):
-    """Make any uncaught exception on this rank end the whole job (MPI_Abort) after
-    printing its message, instead of leaving the other ranks waiting forever."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        try:
-            if kind is not KeyboardInterrupt:
-                print(f"[rank {comm.Get_rank()}] {kind.__name__}: {value}", file=sys.stderr,
-                      flush=True)
-                if os.environ.get("DYNAR_DEBUG_TRACEBACK"):
-                    traceback.print_exception(kind, value, tb)
-        finally:
-            comm.Abort(1)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
