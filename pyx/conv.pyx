@@ -113,19 +113,27 @@ cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const Conv
                     src += s.Wo
 
 
-cdef const floating* unfold(floating* col, Py_ssize_t* ld, const floating* x,
-                            const ConvShape* s, Py_ssize_t n0, Py_ssize_t gn,
-                            Py_ssize_t oh0, Py_ssize_t oh1) noexcept nogil:
+cdef inline bint _is_direct(const ConvShape* s, Py_ssize_t gn) noexcept nogil:
+    # A single image of a 1x1, stride-1, unpadded conv is its own GEMM operand.
+    return s.direct and gn == 1
+
+
+cdef inline Py_ssize_t operand_stride(const ConvShape* s, Py_ssize_t gn,
+                                      Py_ssize_t cols) noexcept nogil:
+    """Row stride of the operand unfold() returns."""
+    return s.P if _is_direct(s, gn) else cols
+
+
+cdef const floating* unfold(floating* col, const floating* x, const ConvShape* s,
+                            Py_ssize_t n0, Py_ssize_t gn, Py_ssize_t oh0,
+                            Py_ssize_t oh1) noexcept nogil:
     """The GEMM operand (K, cols) for images [n0, n0+gn), output rows [oh0, oh1): im2col
-    into col, except for a single image of a 1x1 stride-1 unpadded conv, whose operand is
-    the image itself. Sets *ld to the operand's row stride."""
+    into col, or the image itself where _is_direct."""
     cdef Py_ssize_t g, cols = gn * (oh1 - oh0) * s.Wo
-    if s.direct and gn == 1:
-        ld[0] = s.P
+    if _is_direct(s, gn):
         return x + n0 * s.C * s.P + oh0 * s.Wo
     for g in range(gn):
         im2col(col + g * (oh1 - oh0) * s.Wo, cols, x + (n0 + g) * s.C * s.H * s.W, s, oh0, oh1)
-    ld[0] = cols
     return col
 
 
@@ -243,7 +251,10 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
             while oh0 < s.Ho:
                 oh1 = oh0 + s.R if oh0 + s.R < s.Ho else s.Ho
                 cols = gn * (oh1 - oh0) * s.Wo
-                colp = unfold(col, &ld_col, x, &s, n0, gn, oh0, oh1)
+                # (ld_col is assigned here, not through a pointer, so that prange keeps it
+                # private to each thread.)
+                ld_col = operand_stride(&s, gn, cols)
+                colp = unfold(col, x, &s, n0, gn, oh0, oh1)
                 # One image: GEMM straight into y[n]; several: into a buffer, then scatter.
                 if gn == 1:
                     out = y + n0 * s.Co * s.P + oh0 * s.Wo
@@ -293,7 +304,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
             gn = s.G if n0 + s.G <= s.N else s.N - n0
-            if dx != NULL and not s.direct:
+            if dx != NULL and not _is_direct(&s, gn):
                 memset(dx + n0 * s.C * s.H * s.W, 0, gn * s.C * s.H * s.W * sizeof(floating))
             oh0 = 0
             while oh0 < s.Ho:
@@ -309,7 +320,10 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                                    dy + ((n0 + g) * s.Co + co) * s.P, s.P * sizeof(floating))
                     dyp = gathered
                     ld_dy = cols
-                colp = unfold(col, &ld_col, x, &s, n0, gn, oh0, oh1)
+                # (ld_col is assigned here, not through a pointer, so that prange keeps it
+                # private to each thread.)
+                ld_col = operand_stride(&s, gn, cols)
+                colp = unfold(col, x, &s, n0, gn, oh0, oh1)
                 gemm(False, True, <int> s.Co, <int> s.K, <int> cols, <floating> 1, dyp,
                      <int> ld_dy, colp, <int> ld_col, <floating> 1, dwt, <int> s.K)
                 if db != NULL:
@@ -319,7 +333,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                             acc = acc + dyp[co * ld_dy + p]
                         dbt[co] += acc
                 if dx != NULL:
-                    if s.direct and gn == 1:
+                    if _is_direct(&s, gn):
                         # 1x1 stride 1: the input gradient is the GEMM itself, no col2im.
                         gemm(True, False, <int> s.K, <int> cols, <int> s.Co, <floating> 1, w,
                              <int> s.K, dyp, <int> ld_dy, <floating> 0,

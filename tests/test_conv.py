@@ -24,7 +24,7 @@ GRAD_CASES = [
 def _run(x, w, b, stride, padding, dy):
     y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, stride, padding), x.dtype)
     conv.conv2d_forward(y, x, w, b, stride, padding)
-    dx = np.empty_like(x)
+    dx = np.full_like(x, np.nan)   # dx is documented as overwritten: stale values must not leak
     dw = np.zeros_like(w)
     db = None if b is None else np.zeros_like(b)
     if dy is not None:
@@ -79,7 +79,8 @@ def _random_parity_cases(count, seed=2024):
 TILED_CASES = [(2, 64, 32, 32, 8, 3, 3, (1, 1), (1, 1), True),
                (2, 32, 31, 33, 4, 5, 5, (2, 1), (2, 0), False),
                (9, 48, 3, 3, 16, 3, 3, (1, 1), (1, 1), True),
-               (2, 256, 17, 17, 4, 1, 1, (1, 1), (0, 0), True)]
+               (2, 256, 17, 17, 4, 1, 1, (1, 1), (0, 0), True),
+               (16, 8, 4, 4, 8, 1, 1, (1, 1), (0, 0), False)]
 
 
 @pytest.mark.parametrize("case", _random_parity_cases(60) + TILED_CASES)
