@@ -29,9 +29,12 @@ def mpi_env(extra=None):
     return env
 
 
-def run_mpi(n, argv, timeout=120, env=None, per_rank_env=None):
-    """Run `python argv...` on n ranks; returns the CompletedProcess (text output)."""
+def run_mpi(n, script_and_args, timeout=120, env=None):
+    """Run a Python script on n ranks; returns the CompletedProcess (text output).
+
+    Through `python -m mpi4py`, whose exception hook calls MPI_Abort: a failed assertion on
+    one rank ends the job instead of leaving the others blocked in a collective."""
     cmd = [mpiexec(), "--oversubscribe", "--bind-to", "none", "-n", str(n)]
-    cmd += [sys.executable] + list(argv)
+    cmd += [sys.executable, "-m", "mpi4py"] + list(script_and_args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=mpi_env(env), cwd=ROOT, stdin=subprocess.DEVNULL)

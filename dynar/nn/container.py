@@ -1,0 +1,44 @@
+"""Sequential: children run in order; backward runs them in reverse."""
+from collections import OrderedDict
+
+from .module import Module
+
+
+class Sequential(Module):
+    """Sequential(layer, layer, ...) names children "0", "1", ...;
+    Sequential(OrderedDict(name=layer, ...)) names them as given (torch accepts both)."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        if len(layers) == 1 and isinstance(layers[0], OrderedDict):
+            items = layers[0].items()
+        else:
+            items = ((str(i), layer) for i, layer in enumerate(layers))
+        for name, layer in items:
+            setattr(self, name, layer)
+        self._layers = tuple(self._modules.values())
+
+    def __getitem__(self, index):
+        return self._layers[index]
+
+    def __len__(self):
+        return len(self._layers)
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def forward(self, x):
+        for layer in self._layers:
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dy):
+        for layer in reversed(self._layers):
+            dy = layer.backward(dy)
+        return dy
+
+    def set_input_requires_grad(self, flag):
+        super().set_input_requires_grad(flag)
+        if self._layers:
+            self._layers[0].set_input_requires_grad(flag)
+        return self

@@ -1,0 +1,248 @@
+"""Module: the base of every layer and model.
+
+No autograd tape: `forward(x)` runs the layer and keeps what its own backward needs,
+`backward(dy)` consumes that and returns d(input). A model's backward calls its children's in
+reverse. Parameter gradients are accumulated (+=) until `zero_grad()`.
+
+Arrays a layer returns are its own buffers, reused on the next call with the same input
+shape (allocating per step would cost more than LeNet's whole step): a caller that needs a
+value beyond the next forward/backward copies it. backward(dy) may overwrite dy (in-place
+ReLU), so a module that feeds one dy to two branches gives it first to the branch that
+only reads it.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from .parameter import Parameter
+
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+class HookHandle:
+    """Returned by register_grad_ready_hook; remove() unregisters the hook."""
+
+    def __init__(self, hooks, fn):
+        self._hooks = hooks
+        self._fn = fn
+
+    def remove(self):
+        if self._fn in self._hooks:
+            self._hooks.remove(self._fn)
+
+
+class Module:
+    # Set on a layer by its model's flatten_parameters(): the hook list shared by the whole
+    # model and the layer's (start, stop) in the flat buffers. Class defaults make a layer
+    # outside a flattened model fire nothing.
+    _grad_ready_hooks = ()
+    _grad_slice = None
+    # False on a model's first layer when the model input is data: it may skip d(input).
+    input_requires_grad = True
+    flat_params = None
+    flat_grads = None
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_buffers", {})
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        # Registration by assignment, as torch: `self.conv1 = Conv2d(...)`. The value also
+        # stays a plain attribute, so the hot path reads it without a __getattr__ detour.
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def register_buffer(self, name, array):
+        """A non-trainable array saved in state_dict (BatchNorm running statistics)."""
+        self._buffers[name] = array
+        object.__setattr__(self, name, array)
+
+    # -- computation -------------------------------------------------------------------
+
+    def forward(self, x):
+        raise NotImplementedError(f"{type(self).__name__}.forward")
+
+    def backward(self, dy):
+        raise NotImplementedError(f"{type(self).__name__}.backward")
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def _reuse(self, array, shape, dtype=np.float32):
+        """`array` if it has this shape, else a new one: buffers survive across steps."""
+        if array is None or array.shape != shape:
+            return np.empty(shape, dtype)
+        return array
+
+    def _grad_ready(self):
+        """Called by a layer's backward once its parameter gradients are final."""
+        for fn in self._grad_ready_hooks:
+            fn(*self._grad_slice)
+
+    def set_input_requires_grad(self, flag):
+        """Whether backward must return d(input). A model whose input is data sets False,
+        and its first layer then skips that gradient (the largest one in a CNN)."""
+        object.__setattr__(self, "input_requires_grad", bool(flag))
+        return self
+
+    # -- tree ----------------------------------------------------------------------------
+
+    def named_children(self):
+        return iter(self._modules.items())
+
+    def children(self):
+        return iter(self._modules.values())
+
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for name, child in self._modules.items():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def modules(self):
+        return (m for _, m in self.named_modules())
+
+    def named_parameters(self):
+        for prefix, m in self.named_modules():
+            for name, p in m._parameters.items():
+                yield (f"{prefix}.{name}" if prefix else name), p
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+    def named_buffers(self):
+        for prefix, m in self.named_modules():
+            for name, b in m._buffers.items():
+                yield (f"{prefix}.{name}" if prefix else name), b
+
+    def train(self, mode=True):
+        for m in self.modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- flat buffers and gradient-ready hooks ----------------------------------------------
+
+    def flatten_parameters(self):
+        """Move every parameter into one flat float32 buffer (`flat_params`) and every
+        gradient into another (`flat_grads`); each Parameter's data/grad become views.
+
+        Layers are laid out in the order backward finalizes their gradients (the last layer
+        first; within a layer weight then bias), which is the reverse of registration
+        order because every model here registers its layers in forward order and runs
+        backward in exact reverse. A gradient bucket of the synchronizer is then one
+        contiguous slice of flat_grads, filled front to back as backward proceeds.
+        Gradients restart at zero. Models from dynar.models call this when built."""
+        layers = [(name, m) for name, m in self.named_modules() if m._parameters][::-1]
+        total = sum(p.size for _, m in layers for p in m._parameters.values())
+        flat_params = np.empty(total, np.float32)
+        flat_grads = np.zeros(total, np.float32)
+        hooks = []
+        order = []
+        start = 0
+        for name, m in layers:
+            layer_start = start
+            names = []
+            for pname, p in m._parameters.items():
+                stop = start + p.size
+                flat_params[start:stop] = p.data.reshape(-1)
+                p.data = flat_params[start:stop].reshape(p.shape)
+                p.grad = flat_grads[start:stop].reshape(p.shape)
+                p.flat_slice = (flat_params, flat_grads, start)
+                names.append(f"{name}.{pname}" if name else pname)
+                start = stop
+            object.__setattr__(m, "_grad_slice", (layer_start, start))
+            object.__setattr__(m, "_grad_ready_hooks", hooks)
+            order.append((name, names, layer_start, start))
+        object.__setattr__(self, "_grad_ready_hooks", hooks)
+        object.__setattr__(self, "_grad_order", order)
+        object.__setattr__(self, "flat_params", flat_params)
+        object.__setattr__(self, "flat_grads", flat_grads)
+        return self
+
+    def grad_ready_order(self):
+        """[(layer name, [parameter names], start, stop)] in the order backward finalizes
+        them; [start, stop) is the layer's slice of flat_grads. The slices tile it."""
+        self._require_flat("grad_ready_order")
+        return list(self._grad_order)
+
+    def register_grad_ready_hook(self, fn):
+        """Call fn(start, stop) during backward the moment flat_grads[start:stop] (one
+        layer's parameter gradients) is final; returns a handle whose remove() undoes it."""
+        self._require_flat("register_grad_ready_hook")
+        self._grad_ready_hooks.append(fn)
+        return HookHandle(self._grad_ready_hooks, fn)
+
+    def _require_flat(self, what):
+        if self.flat_grads is None:
+            raise RuntimeError(f"{what}: call flatten_parameters() on the model first "
+                               "(models from dynar.models are flattened when built)")
+
+    def zero_grad(self):
+        if self.flat_grads is not None:
+            self.flat_grads.fill(0)
+        else:
+            for p in self.parameters():
+                p.grad.fill(0)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _state_arrays(self):
+        """name -> the live array behind that state_dict entry, in torch's order (per module:
+        parameters, then buffers; modules in registration order)."""
+        state = {}
+        for prefix, m in self.named_modules():
+            for name, p in m._parameters.items():
+                state[f"{prefix}.{name}" if prefix else name] = p.data
+            for name, b in m._buffers.items():
+                state[f"{prefix}.{name}" if prefix else name] = b
+        return state
+
+    def state_dict(self):
+        """name -> copy of each parameter and buffer, names and shapes as torch's."""
+        return {name: array.copy() for name, array in self._state_arrays().items()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy arrays (numpy, or anything np.asarray takes, e.g. CPU torch tensors) into the
+        model in place. A missing `num_batches_tracked` is tolerated. Shape mismatches always
+        raise; with strict, missing and unexpected keys raise too. Nothing is copied unless
+        everything checks out. Returns (missing_keys, unexpected_keys)."""
+        own = self._state_arrays()
+        missing = [k for k in own
+                   if k not in state_dict and not k.endswith("num_batches_tracked")]
+        unexpected = [k for k in state_dict if k not in own]
+        values = {k: np.asarray(v) for k, v in state_dict.items() if k in own}
+        mismatched = [f"{k}: checkpoint {v.shape}, model {own[k].shape}"
+                      for k, v in values.items() if v.shape != own[k].shape]
+        problems = []
+        if mismatched:
+            problems.append("shape mismatch for " + "; ".join(mismatched))
+        if strict and missing:
+            problems.append("missing keys " + ", ".join(missing))
+        if strict and unexpected:
+            problems.append("unexpected keys " + ", ".join(unexpected))
+        if problems:
+            raise ValueError(f"load_state_dict into {type(self).__name__}: "
+                             + " | ".join(problems))
+        for k, v in values.items():
+            np.copyto(own[k], v, casting="same_kind")
+        return IncompatibleKeys(missing, unexpected)
+
+    # -- display -------------------------------------------------------------------------
+
+    def extra_repr(self):
+        return ""
+
+    def __repr__(self):
+        if not self._modules:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        lines = [f"{type(self).__name__}("]
+        for name, child in self._modules.items():
+            lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
+        return "\n".join(lines + [")"])

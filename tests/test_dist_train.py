@@ -1,0 +1,71 @@
+"""Data-parallel training under mpiexec: N ranks train the same model as 1 rank, replicas
+stay bitwise identical, and misconfigured or failing ranks end the job with a clear error."""
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mpirun import ROOT, mpi_env, mpiexec, run_mpi
+
+MODES = ["per-layer", "fused", "buckets"]
+STEPS, BATCH = 10, 24     # 24 splits evenly over 1, 2, 3 and 4 ranks
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    for model in ("lenet", "alexnet"):
+        done = run_mpi(1, ["tests/mpi/train_modes.py", model, str(out), str(STEPS), str(BATCH),
+                           "fused"], timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("model", ["lenet", "alexnet"])
+def test_n_ranks_train_the_same_model_as_one(single_rank, tmp_path, model, ranks):
+    done = run_mpi(ranks, ["tests/mpi/train_modes.py", model, str(tmp_path), str(STEPS),
+                           str(BATCH), *MODES], timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reference = np.load(single_rank / f"{model}-fused-1.npy")
+    for mode in MODES:
+        params = np.load(tmp_path / f"{model}-{mode}-{ranks}.npy")
+        # 10 SGD steps in float32 whose gradients were summed in another order: a few ulps
+        # per step, amplified a little by training.
+        np.testing.assert_allclose(params, reference, rtol=1e-4, atol=2e-5,
+                                   err_msg=f"{model}, {mode}, {ranks} ranks")
+
+
+def _mpmd(args_a, args_b, env=None, timeout=60):
+    """Two ranks started with different command lines (MPMD)."""
+    base = [sys.executable, "-m", "dynar.train", "--dataset", "synthetic", "--eval-every", "0",
+            "--threads", "1", "--batch-size", "8", "--max-steps", "5"]
+    cmd = [mpiexec(), "--oversubscribe", "--bind-to", "none",
+           "-n", "1", *base, *args_a, ":", "-n", "1", *base, *args_b]
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=mpi_env(env), cwd=ROOT, stdin=subprocess.DEVNULL)
+    return done, time.monotonic() - start
+
+
+@pytest.mark.parametrize("a,b,field", [
+    (["--model", "lenet"], ["--model", "alexnet", "--variant", "cifar"], "model"),
+    (["--model", "alexnet", "--variant", "cifar", "--bucket-mb", "25"],
+     ["--model", "alexnet", "--variant", "cifar", "--bucket-mb", "1"], "sync"),
+    ([], ["--sync", "fused"], "sync"),
+])
+def test_ranks_that_disagree_exit_with_an_error_naming_the_field(a, b, field):
+    done, seconds = _mpmd(a, b)
+    assert done.returncode != 0
+    assert seconds < 30
+    assert f"ranks disagree on {field}" in done.stderr, done.stderr
+
+
+def test_a_rank_that_raises_ends_the_whole_job():
+    done, seconds = _mpmd(["--max-steps", "50"], ["--max-steps", "50"],
+                          env={"DYNAR_FAULT_STEP": "3", "DYNAR_FAULT_RANK": "1"})
+    assert done.returncode != 0
+    assert seconds < 30
+    assert "injected fault at step 3" in done.stderr, done.stderr

@@ -1,0 +1,328 @@
+"""dynar.nn: each layer against torch.nn in float64 on shared weights (outputs, input and
+parameter gradients), Module mechanics (registration, state_dict, flat buffers, hooks,
+gradient accumulation, train/eval), buffer reuse and bad inputs.
+
+Layer tolerances: float32 against a float64 reference, rtol 1e-4 + atol 1e-5 x max|reference|.
+"""
+import math
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from conftest import require_torch
+
+from dynar import nn
+
+
+def close(name, got, want, rtol=1e-4, atol_rel=1e-5):
+    want = np.asarray(want)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol_rel * np.abs(want).max(),
+                               err_msg=name)
+
+
+def run_layer(layer, twin, x, training=True, torch=None):
+    """Forward and backward both layers on x with a random dy; compare output, d(input)
+    and every parameter gradient (twin in float64)."""
+    rng = np.random.default_rng(1)
+    layer.train(training)
+    twin.double().train(training)
+    y = layer.forward(x).copy()
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx = layer.backward(dy.copy())
+    tx = torch.from_numpy(x).double().requires_grad_()
+    ty = twin(tx)
+    ty.backward(torch.from_numpy(dy).double())
+    close("output", y, ty.detach().numpy())
+    close("d(input)", dx, tx.grad.numpy())
+    want = dict(twin.named_parameters())
+    for name, p in layer.named_parameters():
+        close(f"grad of {name}", p.grad, want[name].grad.numpy())
+    return y, dx
+
+
+def load_into_twin(torch, layer, twin):
+    twin.load_state_dict({k: torch.from_numpy(v) for k, v in layer.state_dict().items()})
+
+
+@pytest.mark.parametrize("args,kw,shape", [
+    ((3, 5, 3), {}, (2, 3, 9, 8)),
+    ((3, 4, (3, 2)), {"stride": 2, "padding": 1}, (3, 3, 11, 10)),
+    ((4, 6, 1), {"bias": False}, (2, 4, 5, 5)),
+    ((3, 8, 7), {"stride": 2, "padding": 3}, (1, 3, 16, 16)),
+])
+def test_conv2d_matches_torch(args, kw, shape):
+    torch = require_torch()
+    layer = nn.Conv2d(*args, **kw, generator=np.random.default_rng(0))
+    layer.set_input_requires_grad(True)
+    twin = torch.nn.Conv2d(*args, **kw)
+    load_into_twin(torch, layer, twin)
+    x = np.random.default_rng(2).standard_normal(shape, dtype=np.float32)
+    run_layer(layer, twin, x, torch=torch)
+
+
+def test_linear_matches_torch():
+    torch = require_torch()
+    for bias in (True, False):
+        layer = nn.Linear(7, 5, bias=bias, generator=np.random.default_rng(0))
+        twin = torch.nn.Linear(7, 5, bias=bias)
+        load_into_twin(torch, layer, twin)
+        run_layer(layer, twin, np.random.default_rng(3).standard_normal((4, 7), dtype=np.float32),
+                  torch=torch)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm_matches_torch_including_running_stats(training):
+    torch = require_torch()
+    layer = nn.BatchNorm2d(5, eps=1e-3, momentum=0.3)
+    rng = np.random.default_rng(4)
+    layer.weight.data[:] = rng.uniform(0.5, 1.5, 5)
+    layer.bias.data[:] = rng.normal(0, 1, 5)
+    layer.running_mean[:] = rng.normal(0, 1, 5)
+    layer.running_var[:] = rng.uniform(0.5, 2, 5)
+    twin = torch.nn.BatchNorm2d(5, eps=1e-3, momentum=0.3)
+    load_into_twin(torch, layer, twin)
+    x = (rng.standard_normal((3, 5, 4, 6)) * 2 + 3).astype(np.float32)
+    run_layer(layer, twin, x, training, torch=torch)
+    close("running_mean", layer.running_mean, twin.running_mean.numpy(), 1e-5, 1e-6)
+    close("running_var", layer.running_var, twin.running_var.numpy(), 1e-5, 1e-6)
+    assert layer.num_batches_tracked == twin.num_batches_tracked.item() == int(training)
+
+
+def test_batchnorm_backward_uses_the_mode_of_its_forward():
+    layer = nn.BatchNorm2d(2)
+    x = np.random.default_rng(0).standard_normal((2, 2, 3, 3), dtype=np.float32)
+    dy = np.random.default_rng(1).standard_normal((2, 2, 3, 3), dtype=np.float32)
+    layer.forward(x)
+    train_dx = layer.backward(dy).copy()
+    layer.forward(x)
+    layer.eval()                         # switched between forward and backward
+    np.testing.assert_array_equal(layer.backward(dy), train_dx)
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: (nn.MaxPool2d(2), t.nn.MaxPool2d(2)),
+    lambda t: (nn.MaxPool2d(3, stride=2, padding=1), t.nn.MaxPool2d(3, 2, 1)),
+    lambda t: (nn.AvgPool2d(3, stride=2, padding=1), t.nn.AvgPool2d(3, 2, 1)),
+    lambda t: (nn.AvgPool2d(2), t.nn.AvgPool2d(2)),
+    lambda t: (nn.AdaptiveAvgPool2d(1), t.nn.AdaptiveAvgPool2d(1)),
+    lambda t: (nn.AdaptiveAvgPool2d((7, 6)), t.nn.AdaptiveAvgPool2d((7, 6))),
+    lambda t: (nn.ReLU(), t.nn.ReLU()),
+    lambda t: (nn.Flatten(), t.nn.Flatten()),
+])
+def test_parameter_free_layers_match_torch(make):
+    torch = require_torch()
+    layer, twin = make(torch)
+    # distinct values keep max pooling and ReLU away from ties and kinks
+    x = np.random.default_rng(5).permutation(2 * 3 * 7 * 6).reshape(2, 3, 7, 6)
+    x = ((x - x.size / 2) / 10).astype(np.float32)
+    run_layer(layer, twin, x, torch=torch)
+
+
+def test_inplace_relu_overwrites_its_input_and_dy():
+    relu = nn.ReLU(inplace=True)
+    x = np.array([[-1.0, 2.0, -3.0, 4.0]], np.float32)
+    y = relu.forward(x)
+    assert y is x and (x == [[0, 2, 0, 4]]).all()
+    dy = np.ones_like(x)
+    assert relu.backward(dy) is dy and (dy == [[0, 1, 0, 1]]).all()
+
+
+def test_adaptive_avgpool_rejects_other_sizes():
+    with pytest.raises(ValueError, match=r"AdaptiveAvgPool2d\(\(6, 6\)\).*13x13"):
+        nn.AdaptiveAvgPool2d((6, 6)).forward(np.zeros((1, 2, 13, 13), np.float32))
+
+
+def test_flatten_is_a_view():
+    x = np.zeros((2, 3, 4, 5), np.float32)
+    f = nn.Flatten()
+    y = f.forward(x)
+    assert y.shape == (2, 60) and np.shares_memory(x, y)
+    assert f.backward(y).shape == x.shape
+
+
+def test_dropout_train_eval_and_reproducible_from_generator():
+    x = np.ones((4, 1000), np.float32)
+    a = nn.Dropout(0.3, generator=np.random.default_rng(7))
+    b = nn.Dropout(0.3, generator=np.random.default_rng(7))
+    ya, yb = a.forward(x).copy(), b.forward(x).copy()
+    np.testing.assert_array_equal(ya, yb)
+    assert set(np.unique(ya)) == {0, np.float32(1 / 0.7)}
+    assert abs((ya == 0).mean() - 0.3) < 0.02
+    assert not np.array_equal(a.forward(x), ya)          # a fresh mask every step
+    dy = np.full_like(x, 2)
+    y = a.forward(x).copy()
+    np.testing.assert_allclose(a.backward(dy), np.where(y == 0, 0, 2 / 0.7), rtol=1e-6)
+    a.eval()
+    assert a.forward(x) is x and a.backward(dy) is dy
+    assert nn.Dropout(0.0).forward(x) is x
+    with pytest.raises(ValueError, match="p must be in"):
+        nn.Dropout(1.0)
+
+
+def test_cross_entropy_matches_torch():
+    torch = require_torch()
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((5, 7)).astype(np.float32) * 3
+    labels = rng.integers(0, 7, 5)
+    crit = nn.CrossEntropyLoss()
+    loss = crit.forward(logits, labels)
+    assert isinstance(loss, float)
+    t = torch.from_numpy(logits).double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(t, torch.from_numpy(labels))
+    want.backward()
+    assert loss == pytest.approx(want.item(), rel=1e-6)
+    close("dlogits", crit.backward(), t.grad.numpy())
+
+
+def small_net(seed=0):
+    g = np.random.default_rng(seed)
+    return nn.Sequential(OrderedDict([
+        ("conv", nn.Conv2d(2, 4, 3, padding=1, generator=g)),
+        ("bn", nn.BatchNorm2d(4)),
+        ("relu", nn.ReLU(inplace=True)),
+        ("pool", nn.MaxPool2d(2)),
+        ("flatten", nn.Flatten()),
+        ("fc", nn.Linear(16, 3, generator=g)),
+    ])).flatten_parameters()
+
+
+def test_sequential_registration_indexing_and_names():
+    seq = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Linear(2, 2))
+    assert isinstance(seq[0], nn.Conv2d) and isinstance(seq[-1], nn.Linear) and len(seq) == 3
+    assert [n for n, _ in seq.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    net = small_net()
+    assert list(net.state_dict()) == [
+        "conv.weight", "conv.bias", "bn.weight", "bn.bias", "bn.running_mean",
+        "bn.running_var", "bn.num_batches_tracked", "fc.weight", "fc.bias"]
+    sd = net.state_dict()
+    assert sd["bn.num_batches_tracked"].dtype == np.int64 and sd["bn.num_batches_tracked"].shape == ()
+    assert all(v.dtype == np.float32 for k, v in sd.items() if "num_batches" not in k)
+
+
+def test_default_init_is_torchs():
+    conv = nn.Conv2d(8, 16, 3, generator=np.random.default_rng(0))
+    bound = 1 / math.sqrt(8 * 9)
+    for p in (conv.weight.data, conv.bias.data):     # kaiming_uniform(a=sqrt(5)) = U(+-bound)
+        assert np.abs(p).max() <= bound and np.abs(p).max() > 0.95 * bound
+    assert abs(conv.weight.data.std() - bound / math.sqrt(3)) < 0.05 * bound
+    same = nn.Conv2d(8, 16, 3, generator=np.random.default_rng(0))
+    np.testing.assert_array_equal(conv.weight.data, same.weight.data)
+
+
+def test_flat_buffers_alias_every_parameter_in_backward_order():
+    net = small_net()
+    assert net.flat_params.dtype == net.flat_grads.dtype == np.float32
+    assert net.flat_params.ndim == 1 and net.flat_params.size == sum(p.size for p in net.parameters())
+    for p in net.parameters():
+        assert np.shares_memory(p.data, net.flat_params) and np.shares_memory(p.grad, net.flat_grads)
+    assert [(name, names) for name, names, _, _ in net.grad_ready_order()] == [
+        ("fc", ["fc.weight", "fc.bias"]), ("bn", ["bn.weight", "bn.bias"]),
+        ("conv", ["conv.weight", "conv.bias"])]
+    net.fc.weight.data[0, 0] = 42.0
+    assert net.flat_params[0] == 42.0                # fc.weight is first in the buffer
+    net.flat_grads[:] = 1
+    net.zero_grad()
+    assert not net.conv.weight.grad.any()
+
+
+def test_grad_ready_hooks_fire_once_per_layer_with_final_gradients():
+    net = small_net()
+    x = np.random.default_rng(0).standard_normal((2, 2, 4, 4), dtype=np.float32)
+    dy = np.random.default_rng(1).standard_normal((2, 3), dtype=np.float32)
+    seen = []
+    handle = net.register_grad_ready_hook(
+        lambda start, stop: seen.append((start, stop, net.flat_grads[start:stop].copy())))
+    net.forward(x)
+    net.backward(dy)
+    assert [(s, e) for s, e, _ in seen] == [(s, e) for _, _, s, e in net.grad_ready_order()]
+    for s, e, snap in seen:
+        np.testing.assert_array_equal(snap, net.flat_grads[s:e])
+    handle.remove()
+    net.forward(x)
+    net.backward(dy)
+    assert len(seen) == 3
+
+
+def test_gradients_accumulate_until_zero_grad():
+    net = small_net()
+    x = np.random.default_rng(0).standard_normal((2, 2, 4, 4), dtype=np.float32)
+    dy = np.random.default_rng(1).standard_normal((2, 3), dtype=np.float32)
+    net.eval()                         # batch statistics unchanged between the two passes
+    net.forward(x)
+    net.backward(dy)
+    once = net.flat_grads.copy()
+    net.forward(x)
+    net.backward(dy)
+    np.testing.assert_allclose(net.flat_grads, 2 * once, rtol=1e-6, atol=1e-7)
+    net.zero_grad()
+    assert not net.flat_grads.any()
+
+
+def test_first_layer_skips_input_gradient_when_input_is_data():
+    net = small_net()
+    x = np.zeros((2, 2, 4, 4), np.float32)
+    net.forward(x)
+    assert net.backward(np.ones((2, 3), np.float32)).shape == x.shape
+    net.set_input_requires_grad(False)
+    assert net.conv.input_requires_grad is False and net.fc.input_requires_grad is True
+    net.forward(x)
+    assert net.backward(np.ones((2, 3), np.float32)) is None
+
+
+def test_buffers_are_reused_across_steps_and_reallocated_on_new_shape():
+    net = small_net()
+    x = np.zeros((2, 2, 4, 4), np.float32)
+    y1 = net.forward(x)
+    y2 = net.forward(x + 1)
+    assert y1 is y2
+    assert net.forward(np.zeros((3, 2, 4, 4), np.float32)).shape == (3, 3)
+
+
+def test_train_eval_switches_every_module():
+    net = small_net()
+    assert all(m.training for m in net.modules())
+    net.eval()
+    assert not any(m.training for m in net.modules())
+    net.train()
+    assert all(m.training for m in net.modules())
+
+
+def test_load_state_dict_errors_name_the_keys():
+    net = small_net()
+    sd = net.state_dict()
+    del sd["bn.num_batches_tracked"]            # tolerated: older checkpoints lack it
+    assert net.load_state_dict(sd).missing_keys == []
+    bad = dict(sd, extra=np.zeros(1, np.float32))
+    del bad["fc.bias"]
+    with pytest.raises(ValueError, match=r"missing keys fc\.bias.*unexpected keys extra"):
+        net.load_state_dict(bad)
+    result = net.load_state_dict(bad, strict=False)
+    assert result.missing_keys == ["fc.bias"] and result.unexpected_keys == ["extra"]
+    with pytest.raises(ValueError, match=r"shape mismatch for fc\.weight: checkpoint \(3, 15\)"):
+        net.load_state_dict(dict(sd, **{"fc.weight": np.zeros((3, 15), np.float32)}),
+                            strict=False)
+
+
+def test_load_state_dict_copies_into_the_flat_buffer():
+    a, b = small_net(seed=0), small_net(seed=1)
+    sd = a.state_dict()
+    sd["bn.running_mean"] += 1
+    b.load_state_dict(sd)
+    np.testing.assert_array_equal(b.flat_params, a.flat_params)
+    np.testing.assert_array_equal(b.bn.running_mean, a.bn.running_mean + 1)
+    assert np.shares_memory(b.fc.weight.data, b.flat_params)
+    sd["fc.bias"][:] = 7                        # state_dict hands out copies
+    assert not (a.fc.bias.data == 7).any()
+
+
+def test_hooks_need_flat_buffers():
+    with pytest.raises(RuntimeError, match="flatten_parameters"):
+        nn.Sequential(nn.Linear(2, 2)).register_grad_ready_hook(print)
+
+
+def test_bad_input_reaches_a_named_kernel_error():
+    conv = nn.Conv2d(3, 4, 3)
+    with pytest.raises(TypeError, match="x"):
+        conv.forward(np.zeros((1, 3, 5, 5), np.float64))
+    with pytest.raises(ValueError, match="w: expects 3 input channels, x has 2"):
+        conv.forward(np.zeros((1, 2, 5, 5), np.float32))

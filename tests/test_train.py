@@ -1,0 +1,109 @@
+"""python -m dynar.train: the default run, resume equivalence, logs, and CLI errors."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dynar import checkpoint
+from dynar.train import TrainConfig, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dynar.train", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def test_default_run_trains_lenet_on_the_mnist_sample_to_96_percent(tmp_path):
+    log = tmp_path / "log.jsonl"
+    out = cli("--log", str(log))
+    assert out.returncode == 0, out.stderr
+    assert "final held-out accuracy" in out.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    summary = records[-1]
+    assert summary["event"] == "summary"
+    assert summary["final_accuracy"] >= 0.96, summary
+    for key in ("images_per_sec", "step_time_s", "data_time_s", "threads", "ranks", "model",
+                "batch_size", "data_time_fraction"):
+        assert summary[key] is not None, key
+    assert summary["model"] == "lenet" and summary["ranks"] == 1 and summary["batch_size"] == 64
+    assert sum(r["event"] == "epoch" for r in records) == 20
+
+
+def _final_model(ckpt_dir):
+    return checkpoint.load(os.path.join(ckpt_dir, "last.ckpt"))
+
+
+@pytest.mark.parametrize("model,extra", [
+    # lenet on real digits: the resumed part crosses an epoch boundary (62 steps per epoch)
+    ("lenet", dict(dataset="mnist-sample", epochs=2, batch_size=64)),
+    # dropout on (its random stream is checkpointed) and BatchNorm running statistics
+    ("alexnet", dict(variant="cifar", dataset="synthetic", epochs=1, batch_size=16, lr=0.01)),
+    ("vgg11_bn", dict(variant="cifar", dataset="synthetic", epochs=1, batch_size=8)),
+])
+def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path, model, extra):
+    total, cut = (70, 55) if model == "lenet" else (6, 3)
+    straight = tmp_path / "straight"
+    train(TrainConfig(model=model, max_steps=total, checkpoint_dir=str(straight),
+                      eval_every=0, **extra))
+    first = tmp_path / "first"
+    train(TrainConfig(model=model, max_steps=cut, checkpoint_dir=str(first), eval_every=0,
+                      **extra))
+    interrupted = _final_model(first)
+    assert interrupted["global_step"] == cut
+    train(TrainConfig(model=model, max_steps=total, checkpoint_dir=str(first),
+                      resume=str(first), eval_every=0, **extra))
+    a, b = _final_model(straight), _final_model(first)
+    assert a["global_step"] == b["global_step"] == total
+    for name in a["model"]:
+        assert np.array_equal(a["model"][name], b["model"][name]), name
+    assert np.array_equal(a["optimizer"]["momentum_buffer"], b["optimizer"]["momentum_buffer"])
+
+
+def test_epoch_checkpoints_are_written(tmp_path):
+    train(TrainConfig(model="lenet", epochs=2, checkpoint_dir=str(tmp_path), eval_every=0))
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["epoch_0001.ckpt", "epoch_0002.ckpt", "last.ckpt"], names
+    assert checkpoint.load(tmp_path / "epoch_0001.ckpt")["epoch"] == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "lenet5"], "--model"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--lr", "-1"], "--lr"),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent-dynar"], "train-images-idx3-ubyte"),
+    (["--dataset", "cifar10", "--model", "alexnet", "--data-dir", "/nonexistent-dynar"], "cifar-10"),
+    (["--model", "resnet18", "--dataset", "mnist-sample"], "28"),
+    (["--resume", "/nonexistent-dynar/last.ckpt"], "nonexistent-dynar"),
+    (["--dropout", "0.2"], "dropout"),
+    (["--batch-size", "5000"], "batch_size"),
+])
+def test_cli_errors_are_one_line_with_non_zero_exit(args, needle):
+    out = cli(*args, timeout=120)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_rejects_a_corrupt_checkpoint(tmp_path):
+    bad = tmp_path / "last.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    out = cli("--resume", str(bad), timeout=120)
+    assert out.returncode != 0
+    assert len(out.stderr.strip().splitlines()) == 1 and str(bad) in out.stderr
+
+
+def test_help_explains_every_flag():
+    out = cli("--help", timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--variant", "--dataset", "--data-dir", "--epochs", "--max-steps",
+                 "--batch-size", "--lr", "--momentum", "--weight-decay", "--schedule",
+                 "--warmup-epochs", "--threads", "--seed", "--log", "--checkpoint-dir",
+                 "--resume", "--eval-every", "--sync", "--bucket-mb"):
+        assert flag in out.stdout, flag
