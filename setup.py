@@ -88,8 +88,6 @@ def _extensions():
     mpi_flags = _mpi_flags() if mpi else ([], [], [], [])
     for stem, name in {**MODULES, **mpi}.items():
         uses_mpi = stem in mpi
-        if not os.path.exists(os.path.join(HERE, "pyx", stem + ".pyx")):  # TODO(bootstrap): remove
-            continue
         exts.append(Extension(
             name,
             sources=[os.path.join("pyx", stem + ".pyx")],

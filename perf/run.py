@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 
-SUITES = ["kernels"]
+SUITES = ["kernels", "models", "dist"]
 
 
 def main(argv=None):
