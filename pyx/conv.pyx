@@ -15,16 +15,18 @@ for a given thread count.
 """
 from cython cimport floating
 from cython.parallel cimport prange, parallel, threadid
-from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 cimport numpy as cnp
 cimport openmp
 
 from _blas cimport gemm
+from _scratch cimport Scratch, scratch_give, scratch_take
 from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_float,
                         check_pair, check_shape, data, float_kind)
 
 cnp.import_array()
+
+cdef Scratch _scratch   # im2col tiles and weight-gradient partials, reused across calls
 
 # Columns (images x output pixels) per GEMM below which images are batched together.
 DEF GEMM_MIN_COLUMNS = 256
@@ -293,14 +295,19 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef const floating* colp
     cdef const floating* dyp
     cdef floating acc
-    memset(partials, 0, threads * slot * sizeof(floating))
-    # Parallel over image groups, as forward; weight and bias gradients go to this thread's
-    # partial sums (reduced below), input gradients to the group's own images.
+    # Thread 0 accumulates straight into dw and db; threads 1.. into zeroed partial sums
+    # (partials: threads-1 slots of dw+db, then one db slot for a layer without bias).
+    memset(partials, 0, ((threads - 1) * slot + s.Co) * sizeof(floating))
+    # Parallel over image groups, as forward; input gradients go to the group's own images.
     with parallel(num_threads=threads):
         col = work + threadid() * work_per_thread
         gathered = col + s.K * s.G * s.R * s.Wo
-        dwt = partials + threadid() * slot
-        dbt = dwt + wsize
+        if threadid() == 0:
+            dwt = dw
+            dbt = db if db != NULL else partials + (threads - 1) * slot
+        else:
+            dwt = partials + (threadid() - 1) * slot
+            dbt = dwt + wsize
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
             gn = s.G if n0 + s.G <= s.N else s.N - n0
@@ -346,15 +353,16 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                             col2im_add(dx + (n0 + g) * s.C * s.H * s.W,
                                        col + g * (oh1 - oh0) * s.Wo, cols, &s, oh0, oh1)
                 oh0 = oh1
-    # Reduce the per-thread partial sums in fixed thread order, parallel over elements.
-    for i in prange(slot, schedule="static", num_threads=threads, nogil=True):
-        acc = 0
-        for t in range(threads):
-            acc = acc + partials[t * slot + i]
-        if i < wsize:
-            dw[i] += acc
-        elif db != NULL:
-            db[i - wsize] += acc
+    # Add the other threads' partial sums in fixed thread order, parallel over elements.
+    if threads > 1:
+        for i in prange(slot, schedule="static", num_threads=threads, nogil=True):
+            acc = 0
+            for t in range(threads - 1):
+                acc = acc + partials[t * slot + i]
+            if i < wsize:
+                dw[i] += acc
+            elif db != NULL:
+                db[i - wsize] += acc
 
 
 cdef tuple _check_conv(str who, object x, object w, object b, object stride, object padding,
@@ -383,10 +391,8 @@ def conv2d_forward(y, x, w, b=None, stride=1, padding=0):
     cdef ConvShape s = _plan(xa, wa, stride, padding, kind, &threads)
     cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
     cdef size_t itemsize = 4 if kind == F32 else 8
-    cdef void* work = malloc(threads * per_thread * itemsize + 1)
-    if work == NULL:
-        raise MemoryError(f"conv2d_forward: cannot allocate {threads * per_thread * itemsize} "
-                          "bytes of im2col workspace")
+    cdef bint private
+    cdef void* work = scratch_take(&_scratch, threads * per_thread * itemsize, &private)
     cdef void* yp = data(ya)
     cdef void* xp = data(xa)
     cdef void* wp = data(wa)
@@ -400,7 +406,7 @@ def conv2d_forward(y, x, w, b=None, stride=1, padding=0):
                 _forward(<double*> yp, <double*> xp, <double*> wp, <double*> bp,
                          s, <double*> work, per_thread, threads)
     finally:
-        free(work)
+        scratch_give(&_scratch, work, private)
 
 
 def conv2d_backward(dx, dw, db, dy, x, w, stride=1, padding=0):
@@ -426,10 +432,10 @@ def conv2d_backward(dx, dw, db, dy, x, w, stride=1, padding=0):
     cdef ConvShape s = _plan(xa, wa, stride, padding, kind, &threads)
     cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
     cdef size_t itemsize = 4 if kind == F32 else 8
-    cdef Py_ssize_t partial_size = threads * (s.Co * s.K + s.Co)
-    cdef void* work = malloc((threads * per_thread + partial_size) * itemsize + 1)
-    if work == NULL:
-        raise MemoryError("conv2d_backward: cannot allocate the im2col workspace")
+    cdef Py_ssize_t partial_size = (threads - 1) * (s.Co * s.K + s.Co) + s.Co
+    cdef bint private
+    cdef void* work = scratch_take(&_scratch, (threads * per_thread + partial_size) * itemsize,
+                                   &private)
     cdef void* dxp = data(dxa)
     cdef void* dwp = data(dwa)
     cdef void* dbp = data(dba)
@@ -447,4 +453,4 @@ def conv2d_backward(dx, dw, db, dy, x, w, stride=1, padding=0):
                           <double*> xp, <double*> wp, s, <double*> work, per_thread,
                           <double*> work + threads * per_thread, threads)
     finally:
-        free(work)
+        scratch_give(&_scratch, work, private)
