@@ -56,11 +56,20 @@ def _dynar(name, variant, ranks, mode, steps):
             "compute": [s["compute_s"] for s in measured]}
 
 
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _ddp(name, variant, ranks, steps):
     cmd = [sys.executable, "-m", "perf.dist", "--worker", name, variant, str(steps)]
     if ranks > 1:
         cmd = _mpiexec(ranks) + cmd
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=1800)
+    # A fresh rendezvous port per launch: the previous job's may still be in TIME_WAIT.
+    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"DDP {name} x{ranks}: {out.stderr.strip()[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -80,8 +89,6 @@ def worker(name, variant, steps):
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
     model = torch_reference.build(name, variant)
     if world > 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -99,6 +106,7 @@ def worker(name, variant, steps):
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
     if world > 1:
+        dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
         print(json.dumps({"step": times}))

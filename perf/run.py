@@ -15,12 +15,14 @@ SUITES = ["kernels", "models", "dist"]
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", choices=SUITES + ["all"], help="which benchmark to run")
+    parser.add_argument("suite", choices=SUITES + ["all", "report"],
+                        help="which benchmark to run (`report` refreshes docs/PERFORMANCE.md "
+                             "from the last results)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     args = parser.parse_args(argv)
     from perf import harness
     harness.warn_if_blas_pinned()
-    for suite in SUITES if args.suite == "all" else [args.suite]:
+    for suite in SUITES + ["report"] if args.suite == "all" else [args.suite]:
         print(f"## {suite}\n", flush=True)
         importlib.import_module(f"perf.{suite}").run(quick=args.quick)
         print()

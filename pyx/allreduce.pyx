@@ -1,10 +1,11 @@
 """Allreduce of gradient buffers, calling MPI directly (mpi4py's libmpi declarations).
 
-Every call releases the GIL for the whole MPI operation, so Python threads keep running,
-and is nonblocking: `start_mean` posts the reduction and returns a `Pending`; `test()`
-drives progress without blocking (the synchronizer calls it between backward layers) and
-`wait()` blocks. On completion the buffer holds the mean over ranks: the sum, then one
-fused scaling pass by 1/size. MPI's own reduction leaves identical bytes on every rank.
+Every call releases the GIL for the whole MPI operation, so Python threads keep running.
+`allreduce_mean` is blocking (MPI_Allreduce: the MPI library's tuned algorithms, meant for a
+communication thread); `start_mean` is nonblocking (MPI_Iallreduce) and returns a
+`Pending`, whose `test()` drives progress without blocking and `wait()` blocks. On
+completion the buffer holds the mean over ranks: the sum, then one fused scaling pass by
+1/size. MPI's own reduction leaves identical bytes on every rank.
 """
 from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
@@ -13,7 +14,7 @@ cimport openmp
 
 from mpi4py.libmpi cimport (MPI_Comm, MPI_Request, MPI_Datatype, MPI_FLOAT, MPI_DOUBLE,
                             MPI_SUM, MPI_IN_PLACE, MPI_STATUSES_IGNORE, MPI_SUCCESS,
-                            MPI_Comm_size, MPI_Iallreduce, MPI_Testall, MPI_Waitall,
+                            MPI_Allreduce, MPI_Comm_size, MPI_Iallreduce, MPI_Testall, MPI_Waitall,
                             MPI_Get_library_version, MPI_MAX_LIBRARY_VERSION_STRING)
 from mpi4py.MPI cimport Comm
 
@@ -145,5 +146,24 @@ def start_mean(buf, Comm comm not None):
 
 
 def allreduce_mean(buf, Comm comm not None):
-    """Blocking form of start_mean."""
-    start_mean(buf, comm).wait()
+    """In-place blocking allreduce of `buf` (1-D float32/float64, C-contiguous) over `comm`;
+    returns with buf holding the mean over ranks."""
+    cdef FloatKind kind = float_kind("buf", buf)
+    cdef cnp.ndarray a = check_float("buf", buf, 1, kind, output=True)
+    cdef Py_ssize_t n = a.shape[0], done = 0
+    cdef int size = 0, part, err = MPI_SUCCESS
+    MPI_Comm_size(comm.ob_mpi, &size)
+    cdef MPI_Datatype dtype = MPI_FLOAT if kind == F32 else MPI_DOUBLE
+    cdef size_t itemsize = 4 if kind == F32 else 8
+    cdef MPI_Comm c = comm.ob_mpi
+    cdef char* base = <char*> data(a)
+    with nogil:
+        while done < n and err == MPI_SUCCESS:
+            part = <int> (n - done if n - done < MAX_PART else MAX_PART)
+            err = MPI_Allreduce(MPI_IN_PLACE, base + <size_t> done * itemsize, part, dtype,
+                                MPI_SUM, c)
+            done += part
+        if err == MPI_SUCCESS:
+            _scale(base, n, kind, 1.0 / size)
+    if err != MPI_SUCCESS:
+        raise RuntimeError(f"MPI_Allreduce failed with error code {err}")

@@ -50,12 +50,12 @@ def set_num_threads(n):
     _apply_fp_mode(_flush_denormals)
 
 
-cdef void _apply_fp_mode(bint on) noexcept:
+cdef bint _apply_fp_mode(bint on) noexcept:
     # The FP control register is per thread: set it in the calling (Python) thread and in
     # every OpenMP worker, which persist between parallel regions.
-    dynar_set_flush_denormals(on)
     with nogil, parallel():
         dynar_set_flush_denormals(on)
+    return dynar_set_flush_denormals(on)
 
 
 def set_flush_denormals(bint on):
@@ -65,8 +65,7 @@ def set_flush_denormals(bint on):
     changes no result that matters. Returns False where the platform has no such mode."""
     global _flush_denormals
     _flush_denormals = on
-    _apply_fp_mode(on)
-    return bool(dynar_get_flush_denormals()) == bool(on) if on else True
+    return bool(_apply_fp_mode(on))
 
 
 def flush_denormals_enabled():

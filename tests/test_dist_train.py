@@ -26,11 +26,20 @@ def single_rank(tmp_path_factory):
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 @pytest.mark.parametrize("model", ["lenet", "alexnet"])
 def test_n_ranks_train_the_same_model_as_one(single_rank, tmp_path, model, ranks):
+    _check_against_single_rank(single_rank, tmp_path, model, ranks, MODES)
+
+
+def test_buckets_progressed_by_test_calls_instead_of_a_thread(single_rank, tmp_path):
+    _check_against_single_rank(single_rank, tmp_path, "alexnet", 2, ["buckets"],
+                               env={"DYNAR_SYNC_PROGRESS": "calls"})
+
+
+def _check_against_single_rank(single_rank, tmp_path, model, ranks, modes, env=None):
     done = run_mpi(ranks, ["tests/mpi/train_modes.py", model, str(tmp_path), str(STEPS),
-                           str(BATCH), *MODES], timeout=300)
+                           str(BATCH), *modes], timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     reference = np.load(single_rank / f"{model}-fused-1.npy")
-    for mode in MODES:
+    for mode in modes:
         params = np.load(tmp_path / f"{model}-{mode}-{ranks}.npy")
         # 10 SGD steps in float32 whose gradients were summed in another order: a few ulps
         # per step, amplified a little by training.
@@ -69,3 +78,25 @@ def test_a_rank_that_raises_ends_the_whole_job():
     assert done.returncode != 0
     assert seconds < 30
     assert "injected fault at step 3" in done.stderr, done.stderr
+
+
+def test_resume_on_a_different_rank_count(tmp_path):
+    from dynar import checkpoint
+    args = ["--model", "lenet", "--dataset", "synthetic", "--batch-size", str(BATCH),
+            "--eval-every", "0", "--threads", "1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    done = run_mpi(1, ["-m", "dynar.train", *args, "--max-steps", "8",
+                       "--checkpoint-dir", str(straight)])
+    assert done.returncode == 0, done.stderr
+    done = run_mpi(2, ["-m", "dynar.train", *args, "--max-steps", "4",
+                       "--checkpoint-dir", str(split)])
+    assert done.returncode == 0, done.stderr
+    done = run_mpi(3, ["-m", "dynar.train", *args, "--max-steps", "8",
+                       "--checkpoint-dir", str(split), "--resume", str(split)])
+    assert done.returncode == 0, done.stderr
+    a = checkpoint.load(straight / "last.ckpt")
+    b = checkpoint.load(split / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 8
+    for name in a["model"]:
+        np.testing.assert_allclose(b["model"][name], a["model"][name], rtol=1e-4, atol=2e-5,
+                                   err_msg=name)

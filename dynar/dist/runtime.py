@@ -21,7 +21,9 @@ def _load():
     try:
         import mpi4py
         mpi4py.rc.threads = True
-        mpi4py.rc.thread_level = "funneled"  # only the training thread calls MPI
+        # The synchronizer's communication thread calls MPI while the training thread does
+        # not (serialized); see dist/sync.py.
+        mpi4py.rc.thread_level = "serialized"
         from mpi4py import MPI
     except ImportError as exc:
         raise MPISetupError(f"distributed training needs mpi4py and an MPI library ({exc}); "
@@ -54,6 +56,12 @@ def mpi():
 def allreduce():
     """dynar's Cython allreduce extension (dynar.dist._allreduce)."""
     return _load()
+
+
+def threads_supported():
+    """Whether the MPI library granted MPI_THREAD_SERIALIZED (or better)."""
+    MPI = mpi()
+    return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
 
 
 def launched_by_mpiexec():

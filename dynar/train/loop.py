@@ -343,6 +343,8 @@ class _Run:
             final_loss=None if result is None else result["loss"],
             param_checksum=float(np.sum(self.model.flat_params, dtype=np.float64)))
         report.close()
+        if self.sync is not None:
+            self.sync.close()
         return summary
 
 

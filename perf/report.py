@@ -1,0 +1,47 @@
+"""Refresh docs/PERFORMANCE.md from perf/results/*.json: `python -m perf report`.
+
+The document's prose is written by people; each suite's measured table, machine and date
+sit between markers <!-- perf:SUITE --> and <!-- /perf:SUITE --> and are replaced here, so
+the numbers in the docs are always the last ones the harness measured.
+"""
+import json
+import os
+import re
+
+from . import harness
+
+DOC = os.path.join(os.path.dirname(harness.RESULTS_DIR), "..", "docs", "PERFORMANCE.md")
+
+
+def _block(result):
+    m = result["machine"]
+    blas = ", ".join(f"{b['internal_api']} {b['version']} ({b['architecture']})"
+                     for b in m.get("blas", []))
+    return (f"{result['table']}\n\n"
+            f"<sub>Measured {result['time']} at commit {m.get('git_commit')}: {m['cpu']}, "
+            f"{m['cores_available']} cores, numpy {m['numpy']}, torch {m.get('torch')}, "
+            f"BLAS {blas}. Raw samples: perf/results/{result['suite']}.json.</sub>")
+
+
+def refresh(doc_path=DOC):
+    with open(doc_path) as f:
+        text = f.read()
+    updated = []
+    for name in sorted(os.listdir(harness.RESULTS_DIR)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(harness.RESULTS_DIR, name)) as f:
+            result = json.load(f)
+        suite = result["suite"]
+        pattern = re.compile(rf"(<!-- perf:{suite} -->\n).*?(\n<!-- /perf:{suite} -->)", re.S)
+        if pattern.search(text):
+            text = pattern.sub(lambda mm: mm.group(1) + _block(result) + mm.group(2), text)
+            updated.append(suite)
+    with open(doc_path, "w") as f:
+        f.write(text)
+    return updated
+
+
+def run(quick=False):
+    updated = refresh()
+    print(f"docs/PERFORMANCE.md: refreshed {', '.join(updated) or 'nothing'}")
