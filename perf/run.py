@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 
-SUITES = ["kernels", "models", "dist"]
+SUITES = ["kernels", "models", "allreduce", "dist"]
 
 
 def main(argv=None):
