@@ -29,8 +29,11 @@ def _mpiexec(ranks):
 
 
 def _env():
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMP_NUM_THREADS="1")
+    # Threads are set by each framework's own flag (--threads 1, torch.set_num_threads(1)),
+    # as a user would, not by OMP_NUM_THREADS.
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("OMP_NUM_THREADS", None)
+    return env
 
 
 def _dynar(name, variant, ranks, mode, steps):

@@ -7,10 +7,8 @@ communication thread); `start_mean` is nonblocking (MPI_Iallreduce) and returns 
 completion the buffer holds the mean over ranks: the sum, then one fused scaling pass by
 1/size. MPI's own reduction leaves identical bytes on every rank.
 """
-from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
 cimport numpy as cnp
-cimport openmp
 
 from mpi4py.libmpi cimport (MPI_Comm, MPI_Request, MPI_Datatype, MPI_FLOAT, MPI_DOUBLE,
                             MPI_SUM, MPI_IN_PLACE, MPI_STATUSES_IGNORE, MPI_SUCCESS,
@@ -31,9 +29,6 @@ DEF MAX_PART = 1 << 30
 # float32) and scales each piece while it is still in cache: on shared memory Open MPI
 # reduces 93 MB in 25 MB pieces 4x faster than in one call (docs/PERFORMANCE.md).
 DEF PIECE = 1 << 20
-# Below this many elements the scaling pass stays on one thread (a parallel region costs
-# a few microseconds).
-DEF PARALLEL_SCALE_MIN = 1 << 16
 
 COMPILED_VENDOR = DYNAR_MPI_VENDOR.decode()
 
@@ -47,16 +42,18 @@ def library_version():
 
 
 cdef void _scale(void* buf, Py_ssize_t n, FloatKind kind, double factor) noexcept nogil:
+    # Serial on purpose: it runs on a piece MPI has just reduced (still in cache), often on
+    # the synchronizer's communication thread, where an OpenMP team of its own would compete
+    # with the compute threads for the cores.
     cdef Py_ssize_t i
     cdef float* f = <float*> buf
     cdef double* d = <double*> buf
     cdef float ff = <float> factor
-    cdef int threads = openmp.omp_get_max_threads() if n >= PARALLEL_SCALE_MIN else 1
     if kind == F32:
-        for i in prange(n, schedule="static", num_threads=threads):
+        for i in range(n):
             f[i] = f[i] * ff
     else:
-        for i in prange(n, schedule="static", num_threads=threads):
+        for i in range(n):
             d[i] = d[i] * factor
 
 
