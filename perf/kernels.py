@@ -69,6 +69,15 @@ def _layer_candidates(conv, torch, C, Co, k, s, p, H, rng):
     return candidates, flops
 
 
+def summary_text(summary):
+    return (f"threads {summary['threads']}; GEMM ceiling (numpy a @ b, 2048^3, float32): "
+            f"{summary['gemm_ceiling_gflops']:.0f} GFLOP/s. 3x3 layers with >= 64 channels: "
+            f"fwd+bwd at {100 * summary['deep3x3_min_fraction_of_ceiling']:.0f}% (worst) / "
+            f"{100 * summary['deep3x3_geomean_fraction_of_ceiling']:.0f}% (geomean) of the "
+            f"ceiling. All layers: geometric-mean speed-up vs PyTorch "
+            f"{summary['geomean_speedup_vs_torch']:.2f}x.")
+
+
 def run(quick=False):
     import torch
     from dynar import kernels
@@ -114,12 +123,8 @@ def run(quick=False):
     table = harness.format_table(
         ["network", "layer", "dynar fwd GF/s", "dynar bwd GF/s", "torch fwd GF/s",
          "torch bwd GF/s", "dynar fwd+bwd / ceiling", "fwd+bwd speed-up vs torch"], rows)
+    table += "\n\n" + summary_text(summary)
     print(table)
-    print(f"\nthreads {threads}; GEMM ceiling (numpy a @ b, 2048^3, float32): "
-          f"{ceiling:.0f} GFLOP/s")
-    print(f"3x3 layers with >= 64 channels: fwd+bwd at {100 * summary['deep3x3_min_fraction_of_ceiling']:.0f}%"
-          f" (worst) / {100 * summary['deep3x3_geomean_fraction_of_ceiling']:.0f}% (geomean) of the ceiling")
-    print(f"all layers: geometric-mean speed-up vs PyTorch {summary['geomean_speedup_vs_torch']:.2f}x")
     path = harness.write_result("kernels", {"summary": summary, "layers": records, "table": table})
     print(f"wrote {path}")
     return summary

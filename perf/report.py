@@ -33,9 +33,9 @@ def refresh(doc_path=DOC):
         with open(os.path.join(harness.RESULTS_DIR, name)) as f:
             result = json.load(f)
         suite = result["suite"]
-        pattern = re.compile(rf"(<!-- perf:{suite} -->\n).*?(\n<!-- /perf:{suite} -->)", re.S)
+        pattern = re.compile(rf"(<!-- perf:{suite} -->\n)(?:.*?\n)?(<!-- /perf:{suite} -->)", re.S)
         if pattern.search(text):
-            text = pattern.sub(lambda mm: mm.group(1) + _block(result) + mm.group(2), text)
+            text = pattern.sub(lambda mm: mm.group(1) + _block(result) + "\n" + mm.group(2), text)
             updated.append(suite)
     with open(doc_path, "w") as f:
         f.write(text)
