@@ -10,6 +10,8 @@ import statistics
 import sys
 import time
 
+from ..dist.runtime import launched_by_mpiexec
+
 WARMUP_STEPS = 3
 REDRAW_SECONDS = 0.2
 
@@ -27,7 +29,9 @@ class Reporter:
                  steps_per_epoch=1, global_batch=1):
         self.enabled = enabled
         self.stream = stream or sys.stdout
-        self.live = enabled and self.stream.isatty()
+        # Open MPI gives ranks a pseudo-terminal even when mpiexec's output goes to a file,
+        # so under a launcher the plain lines are used.
+        self.live = enabled and self.stream.isatty() and not launched_by_mpiexec()
         self.total_steps = total_steps
         self.global_batch = global_batch
         self.plain_every = max(1, steps_per_epoch // 4)
