@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import activation as act, threads
+from dynar.kernels import activation as act
 from gradcheck import assert_gradient
-from conftest import require_torch
+from conftest import at_thread_counts, require_torch
 
 # Shapes of every rank; the last two exceed the 32768-element serial cut-off (with a partial
 # last chunk), so the chunked prange path is checked too.
@@ -198,14 +198,7 @@ def test_elementwise_thread_count_one_vs_two_is_bitwise(rng):
     def run():
         return (*_relu(x, dy), *_dropout(x, 0.3, 11, dy), *_add(x, dy, dy))
 
-    before = threads.get_num_threads()
-    try:
-        threads.set_num_threads(1)
-        one = run()
-        threads.set_num_threads(2)
-        two = run()
-    finally:
-        threads.set_num_threads(before)
+    one, two = at_thread_counts(lambda: run())
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)
 

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import batchnorm, threads
+from dynar.kernels import batchnorm
 from gradcheck import assert_gradient
-from conftest import require_torch
+from conftest import at_thread_counts, require_torch
 
 # (N, C, H, W): batch 1 with spatial extent, 1x1 maps with a batch, a single channel.
 GRAD_CASES = [(2, 3, 2, 2), (1, 2, 3, 1), (4, 1, 1, 1), (3, 2, 2, 3)]
@@ -177,18 +177,11 @@ def test_batchnorm_thread_count_one_vs_two_is_bitwise(rng):
         return (y, stats.mean, stats.invstd, stats.running_mean, stats.running_var,
                 *_backward(dy, x, gamma, stats, training))
 
-    before = threads.get_num_threads()
-    try:
-        for training in (True, False):
-            threads.set_num_threads(1)
-            one = run(training)
-            threads.set_num_threads(2)
-            two = run(training)
-            # Every sum belongs to one channel, which one thread computes in a fixed order.
-            for a, b in zip(one, two):
-                np.testing.assert_array_equal(a, b)
-    finally:
-        threads.set_num_threads(before)
+    for training in (True, False):
+        one, two = at_thread_counts(lambda: run(training))
+        # Every sum belongs to one channel, which one thread computes in a fixed order.
+        for a, b in zip(one, two):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_batchnorm_errors_name_the_argument(rng):

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import conv, threads
+from dynar.kernels import conv
 from gradcheck import assert_gradient
-from conftest import require_torch
+from conftest import at_thread_counts, require_torch
 
 # (N, C_in, H, W, C_out, kh, kw, stride, padding): strides 1 and 2, padding 0/1/2, odd and
 # rectangular sizes, batch 1, non-square kernels, 1x1, and a kernel as large as the input.
@@ -118,14 +118,7 @@ def test_conv2d_thread_count_one_vs_two(shape, per_image, rng):
     w = rng.standard_normal((Co, C, kh, kw)).astype(np.float32)
     b = rng.standard_normal(Co).astype(np.float32)
     dy = rng.standard_normal((N, Co, H, W)).astype(np.float32)
-    before = threads.get_num_threads()
-    try:
-        threads.set_num_threads(1)
-        one = _run(x, w, b, 1, 1, dy)
-        threads.set_num_threads(2)
-        two = _run(x, w, b, 1, 1, dy)
-    finally:
-        threads.set_num_threads(before)
+    one, two = at_thread_counts(lambda: _run(x, w, b, 1, 1, dy))
     # Weight and bias gradients sum per-thread partials: only the summation order changes.
     if per_image:
         np.testing.assert_array_equal(one[0], two[0])

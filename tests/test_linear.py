@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import linear, threads
+from dynar.kernels import linear
 from gradcheck import assert_gradient
-from conftest import require_torch
+from conftest import at_thread_counts, require_torch
 
 # (N, in, out, bias): single elements, no bias, and dimensions past the 64-wide GEMM blocks
 # (out = 70 cuts forward and dw into two blocks, in = 66 cuts dx into two).
@@ -92,14 +92,7 @@ def test_linear_thread_count_one_vs_two_is_bitwise(rng):
     w = rng.standard_normal((300, 200)).astype(np.float32)
     b = rng.standard_normal(300).astype(np.float32)
     dy = rng.standard_normal((16, 300)).astype(np.float32)
-    before = threads.get_num_threads()
-    try:
-        threads.set_num_threads(1)
-        one = _run(x, w, b, dy)
-        threads.set_num_threads(2)
-        two = _run(x, w, b, dy)
-    finally:
-        threads.set_num_threads(before)
+    one, two = at_thread_counts(lambda: _run(x, w, b, dy))
     # Blocks depend on the shapes only and never cut a summation: bitwise for every output.
     for a, c in zip(one, two):
         np.testing.assert_array_equal(a, c)

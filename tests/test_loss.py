@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import loss as ce, threads
+from dynar.kernels import loss as ce
 from gradcheck import assert_gradient
-from conftest import require_torch
+from conftest import at_thread_counts, require_torch
 
 # (N, K): one class (loss identically 0), one sample, two classes, a wider batch.
 GRAD_CASES = [(6, 1), (1, 7), (4, 2), (3, 5), (8, 10)]
@@ -83,14 +83,7 @@ def test_cross_entropy_backward_scales_by_scale_over_batch(rng):
 def test_cross_entropy_thread_count_one_vs_two_is_bitwise(rng):
     logits = rng.standard_normal((64, 10)).astype(np.float32)
     labels = rng.integers(0, 10, 64)
-    before = threads.get_num_threads()
-    try:
-        threads.set_num_threads(1)
-        one = _run(logits, labels)
-        threads.set_num_threads(2)
-        two = _run(logits, labels)
-    finally:
-        threads.set_num_threads(before)
+    one, two = at_thread_counts(lambda: _run(logits, labels))
     # Rows are independent and the per-row losses are summed in row order afterwards.
     assert one[0] == two[0]
     np.testing.assert_array_equal(one[1], two[1])

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import pool, threads
+from dynar.kernels import pool
 from gradcheck import assert_gradient
-from conftest import require_torch
+from conftest import at_thread_counts, require_torch
 
 # (N, C, H, W, kernel, stride, padding): stride = kernel (None), 1 and 2, padding 0/1/2, odd
 # and rectangular inputs, batch 1, non-square kernels, overlapping windows, a kernel as large
@@ -165,14 +165,7 @@ def test_pool_thread_count_one_vs_two_is_bitwise(rng):
         return (*_maxpool(x, 3, 2, 1, dy_pool), *_avgpool(x, 3, 2, 1, dy_pool),
                 *_global(x, dy_global))
 
-    before = threads.get_num_threads()
-    try:
-        threads.set_num_threads(1)
-        one = run()
-        threads.set_num_threads(2)
-        two = run()
-    finally:
-        threads.set_num_threads(before)
+    one, two = at_thread_counts(lambda: run())
     # Each plane is computed by one thread from start to end: no result depends on the split.
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import sgd, threads
-from conftest import require_torch
+from dynar.kernels import sgd
+from conftest import at_thread_counts, require_torch
 
 CONFIGS = [
     dict(),
@@ -103,14 +103,7 @@ def test_sgd_thread_count_one_vs_two_is_bitwise(options, rng):
     # 100003 elements: four chunks of 32768 to share, the last one partial.
     p0 = rng.standard_normal(100003).astype(np.float32)
     grads = [rng.standard_normal(100003).astype(np.float32) for _ in range(3)]
-    before = threads.get_num_threads()
-    try:
-        threads.set_num_threads(1)
-        one = _steps(p0, grads, 0.1, **options)
-        threads.set_num_threads(2)
-        two = _steps(p0, grads, 0.1, **options)
-    finally:
-        threads.set_num_threads(before)
+    one, two = at_thread_counts(lambda: _steps(p0, grads, 0.1, **options))
     # Element-wise update: the partition can never change a result.
     np.testing.assert_array_equal(one[0], two[0])
     np.testing.assert_array_equal(one[1], two[1])
