@@ -256,7 +256,10 @@ def test_grad_ready_hook_order_and_finality(name, variant):
     model.forward(x)
     model.backward(dy)                      # no zero_grad: gradients accumulate
     assert not fired
-    np.testing.assert_allclose(model.flat_grads, 2 * first, rtol=1e-5, atol=1e-6)
+    # The kernels add into the existing gradient inside their sums (GEMM with beta=1), so
+    # first + second rounds differently from 2 * first: float32 summation order only.
+    np.testing.assert_allclose(model.flat_grads, 2 * first, rtol=1e-5,
+                               atol=1e-5 * np.abs(first).max())
 
 
 # (model, variant, SGD steps, lr, input scale). AlexNet's torch-default init shrinks
