@@ -70,8 +70,10 @@ cdef void _avgpool_plane(floating* y, const floating* x, const PoolShape* s) noe
     """y: (Ho, Wo); x: (H, W)."""
     cdef Py_ssize_t oh, ow, h, w, h0, h1, w0, w1
     # As a floating product: a kernel as large as huge padding allows may overflow an integer.
-    cdef floating area = <floating> (<double> s.kh * <double> s.kw)
-    cdef floating acc
+    cdef double area = <double> s.kh * <double> s.kw
+    # Sums in double: a float32 running sum stops growing once it is 2^24 times the
+    # addends (global pooling of a large plane came out 128x too small).
+    cdef double acc
     for oh in range(s.Ho):
         _window(oh, s.kh, s.sh, s.ph, s.H, &h0, &h1)
         for ow in range(s.Wo):
@@ -80,7 +82,7 @@ cdef void _avgpool_plane(floating* y, const floating* x, const PoolShape* s) noe
             for h in range(h0, h1):
                 for w in range(w0, w1):
                     acc = acc + x[h * s.W + w]
-            y[oh * s.Wo + ow] = acc / area
+            y[oh * s.Wo + ow] = <floating> (acc / area)
 
 
 cdef void _maxpool_plane_backward(floating* dx, const floating* dy, const int64_t* argmax,
