@@ -93,14 +93,6 @@ cdef inline double check_real(str name, object value) except? -1:
     return result
 
 
-cdef inline Py_ssize_t check_positive(str name, object value) except -1:
-    """A Python int >= 1."""
-    value = as_int(name, value)
-    if value < 1:
-        raise ValueError(f"{name}: must be >= 1, got {value}")
-    return value
-
-
 cdef inline tuple check_pair(str name, object value, Py_ssize_t minimum):
     """An int or a pair of ints (height, width), each >= minimum."""
     if isinstance(value, (tuple, list)):

@@ -12,8 +12,7 @@ cimport numpy as cnp
 
 from mpi4py.libmpi cimport (MPI_Comm, MPI_Request, MPI_Datatype, MPI_FLOAT, MPI_DOUBLE,
                             MPI_SUM, MPI_IN_PLACE, MPI_STATUSES_IGNORE, MPI_SUCCESS,
-                            MPI_Allreduce, MPI_Comm_size, MPI_Iallreduce, MPI_Testall, MPI_Waitall,
-                            MPI_Get_library_version, MPI_MAX_LIBRARY_VERSION_STRING)
+                            MPI_Allreduce, MPI_Comm_size, MPI_Iallreduce, MPI_Testall, MPI_Waitall)
 from mpi4py.MPI cimport Comm
 
 from _validate cimport F32, FloatKind, check_float, data, float_kind
@@ -31,14 +30,6 @@ DEF MAX_PART = 1 << 30
 DEF PIECE = 1 << 20
 
 COMPILED_VENDOR = DYNAR_MPI_VENDOR.decode()
-
-
-def library_version():
-    """MPI_Get_library_version of the MPI this extension is running on."""
-    cdef char text[MPI_MAX_LIBRARY_VERSION_STRING + 1]
-    cdef int length = 0
-    MPI_Get_library_version(text, &length)
-    return text[:length].decode(errors="replace").strip()
 
 
 cdef void _scale(void* buf, Py_ssize_t n, FloatKind kind, double factor) noexcept nogil:
@@ -100,10 +91,6 @@ cdef class Pending:
         with nogil:
             MPI_Waitall(self.count, self.requests, MPI_STATUSES_IGNORE)
             self._finish()
-
-    @property
-    def nbytes(self):
-        return self.n * (4 if self.kind == F32 else 8)
 
 
 def start_mean(buf, Comm comm not None):

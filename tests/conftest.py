@@ -22,6 +22,19 @@ def at_thread_counts(run, counts=(1, 2)):
         threads.set_num_threads(before)
 
 
+def assert_zero_sizes_rejected(fn, arrays, rest=()):
+    """fn(*arrays.values(), *rest) is a valid call; with any one dimension of any one array
+    set to 0 it must raise a ValueError whose message starts with that array's name."""
+    fn(*arrays.values(), *rest)
+    for name, arr in arrays.items():
+        for dim in range(arr.ndim):
+            shape = list(arr.shape)
+            shape[dim] = 0
+            args = dict(arrays, **{name: np.zeros(shape, arr.dtype)})
+            with pytest.raises(ValueError, match=f"^{name}: "):
+                fn(*args.values(), *rest)
+
+
 def require_torch():
     """torch, or a visible skip where it is not installed (CI installs torch==2.13.0)."""
     return pytest.importorskip("torch", reason="PyTorch parity tests need `pip install torch==2.13.0`")
