@@ -18,6 +18,11 @@ class MPISetupError(ImportError):
 def _load():
     if "allreduce" in _state:
         return _state["allreduce"]
+    # dynar's only one-sided MPI use is the node-local shared window of the hierarchical
+    # allreduce (Open MPI's osc/sm). Open MPI builds without usable UCX devices (PyPI's wheel)
+    # print an error from osc/ucx when a window is created; keep that component out unless
+    # the user configured osc themselves.
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     try:
         import mpi4py
         mpi4py.rc.threads = True
@@ -56,6 +61,14 @@ def mpi():
 def allreduce():
     """dynar's Cython allreduce extension (dynar.dist._allreduce)."""
     return _load()
+
+
+def collective(comm, reduce_threads=1):
+    """dynar's allreduce algorithms over `comm` (a Collective; collective to create). Nodes
+    are found as node_layout() finds them, DYNAR_NODE_KEY included."""
+    key = os.environ.get("DYNAR_NODE_KEY")
+    return allreduce().Collective(comm, node_key=None if key is None else int(key),
+                                  reduce_threads=reduce_threads)
 
 
 def threads_supported():
