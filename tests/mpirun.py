@@ -6,10 +6,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# Dynamic Allreduce's tuning files, kept out of the user's ~/.cache for the test session.
+_TUNE_DIR = tempfile.mkdtemp(prefix="dynar-test-tune-")
 
 
 def mpiexec():
@@ -23,7 +28,7 @@ def mpiexec():
 def mpi_env(extra=None):
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1",
+               OMP_NUM_THREADS="1", DYNAR_TUNE_DIR=_TUNE_DIR,
                PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     env.update(extra or {})
     return env

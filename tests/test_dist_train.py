@@ -1,5 +1,6 @@
 """Data-parallel training under mpiexec: N ranks train the same model as 1 rank, replicas
 stay bitwise identical, and misconfigured or failing ranks end the job with a clear error."""
+import json
 import subprocess
 import sys
 import time
@@ -9,7 +10,8 @@ import pytest
 
 from mpirun import ROOT, mpi_env, mpiexec, run_mpi
 
-MODES = ["per-layer", "fused", "buckets"]
+MODES = ["per-layer", "fused", "buckets", "dynamic"]
+# Dynamic mode measures 6 steps on its default plan, then plans: 10 steps run both.
 STEPS, BATCH = 10, 24     # 24 splits evenly over 1, 2, 3 and 4 ranks
 
 
@@ -34,16 +36,26 @@ def test_buckets_progressed_by_test_calls_instead_of_a_thread(single_rank, tmp_p
                                env={"DYNAR_SYNC_PROGRESS": "calls"})
 
 
-def _check_against_single_rank(single_rank, tmp_path, model, ranks, modes, env=None):
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path, wire):
+    # 16-bit gradients: each step's update is off by the wire format's rounding (2^-11 for
+    # fp16, 2^-8 for bf16, relative), far above float32 summation order.
+    atol = 2e-4 if wire == "fp16" else 2e-3
+    _check_against_single_rank(single_rank, tmp_path, "alexnet", 3, [f"dynamic:{wire}"],
+                               atol=atol, rtol=1e-2)
+
+
+def _check_against_single_rank(single_rank, tmp_path, model, ranks, modes, env=None,
+                               rtol=1e-4, atol=2e-5):
+    # 10 SGD steps in float32 whose gradients were summed in another order: a few ulps per
+    # step, amplified a little by training (default tolerances).
     done = run_mpi(ranks, ["tests/mpi/train_modes.py", model, str(tmp_path), str(STEPS),
                            str(BATCH), *modes], timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     reference = np.load(single_rank / f"{model}-fused-1.npy")
     for mode in modes:
         params = np.load(tmp_path / f"{model}-{mode}-{ranks}.npy")
-        # 10 SGD steps in float32 whose gradients were summed in another order: a few ulps
-        # per step, amplified a little by training.
-        np.testing.assert_allclose(params, reference, rtol=1e-4, atol=2e-5,
+        np.testing.assert_allclose(params, reference, rtol=rtol, atol=atol,
                                    err_msg=f"{model}, {mode}, {ranks} ranks")
 
 
@@ -100,3 +112,25 @@ def test_resume_on_a_different_rank_count(tmp_path):
     for name in a["model"]:
         np.testing.assert_allclose(b["model"][name], a["model"][name], rtol=1e-4, atol=2e-5,
                                    err_msg=name)
+
+
+def test_fp16_compressed_dynamic_sync_trains_lenet_to_96_percent_with_a_trace(tmp_path):
+    log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
+    done = run_mpi(2, ["-m", "dynar.train", "--compress", "fp16", "--threads", "1",
+                       "--log", str(log), "--trace", str(trace)], timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    summary = records[-1]
+    assert summary["ranks"] == 2 and summary["sync"] == "dynamic"
+    assert summary["compress"] == "fp16"
+    assert summary["final_accuracy"] >= 0.96, summary
+    plans = [r for r in records if r["event"] == "plan"]
+    assert plans[0]["phase"] == "planned" and plans[0]["algorithms"] == {
+        "ring": plans[0]["buckets"]}, plans[0]
+    assert any(p["phase"] == "measured" and p["measured_sync_s"] > 0 for p in plans), plans
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    comm = [e for e in spans if e["tid"] == 1]
+    assert comm and all(e["args"]["wire"] == "fp16" and e["args"]["bytes"] > 0 for e in comm)
+    assert any(e["name"].startswith("backward ") and e["tid"] == 0 for e in spans)

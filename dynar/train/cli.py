@@ -104,10 +104,17 @@ def build_parser():
     a("--resume", metavar="PATH", help="continue from a checkpoint file or directory")
     a("--eval-every", type=int, default=1, metavar="N",
       help="evaluate on the held-out split every N epochs (0: never)")
-    a("--sync", choices=["per-layer", "fused", "buckets"], default="buckets",
-      help="gradient synchronization across ranks: per-layer (blocking), fused (one "
-           "allreduce after backward), buckets (overlapped with backward; default)")
-    a("--bucket-mb", type=_positive_float, default=25.0, help="bucket size for --sync buckets")
+    a("--sync", choices=["dynamic", "per-layer", "fused", "buckets"], default="dynamic",
+      help="gradient synchronization across ranks: dynamic (Dynamic Allreduce: planned "
+           "buckets and algorithms, overlapped with backward; default), per-layer (blocking), "
+           "fused (one allreduce after backward), buckets (fixed-size, overlapped)")
+    a("--bucket-mb", type=_positive_float, default=25.0,
+      help="bucket size for --sync buckets (and dynamic's first, measuring steps)")
+    a("--compress", choices=["fp16", "bf16"],
+      help="16-bit gradients on the wire (float32 sums, error feedback); off by default")
+    a("--trace", metavar="FILE",
+      help="write a Chrome/Perfetto trace of every rank's steps: per-layer backward and "
+           "per-bucket allreduce spans")
     a("--debug", action="store_true", help="show the traceback on errors")
     return p
 

@@ -46,8 +46,10 @@ class TrainConfig:
     checkpoint_dir: str = None
     resume: str = None
     eval_every: int = 1
-    sync: str = "buckets"
+    sync: str = "dynamic"
     bucket_mb: float = 25.0
+    compress: str = None
+    trace: str = None
 
 
 # Hyper-parameters that train each family well (batch is the global batch).
@@ -148,6 +150,7 @@ def _fingerprint(cfg, model, loader, sync):
         "model": [cfg.model, cfg.variant, list(model.input_shape)],
         "parameters": [[name, list(p.shape)] for name, p in model.named_parameters()],
         "sync": sync.describe() if sync else None,
+        "trace": cfg.trace is not None,
         "batch split": [cfg.batch_size, loader.batch_size // loader.world, loader.steps],
         "data": [cfg.dataset, cfg.seed, cfg.augment],
         "optimizer": [cfg.lr, cfg.momentum, cfg.weight_decay, cfg.nesterov, cfg.schedule,
@@ -184,18 +187,25 @@ class _Run:
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         if cfg.resume:
             self._resume(cfg.resume)
-        self.sync = None
-        if job.distributed:
-            from ..dist.sync import GradientSynchronizer
-            self.sync = GradientSynchronizer(self.model, job.comm, cfg.sync, cfg.bucket_mb)
-        job.agree(_fingerprint(cfg, self.model, self.loader, self.sync))
-        # Replicas start identical: rank 0's parameters and buffers everywhere.
-        job.broadcast(self.model.flat_params)
-        self._sync_buffers()
         total = cfg.epochs * self.loader.steps
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.report = Reporter(cfg.log, enabled=job.rank == 0, total_steps=self.total_steps,
                                steps_per_epoch=self.loader.steps, global_batch=cfg.batch_size)
+        self.sync = None
+        if job.distributed:
+            from ..dist.sync import GradientSynchronizer
+            self.sync = GradientSynchronizer(self.model, job.comm, cfg.sync, cfg.bucket_mb,
+                                             cfg.compress, threads, self.report.event)
+        job.agree(_fingerprint(cfg, self.model, self.loader, self.sync))
+        self.tracer = None
+        if cfg.trace:
+            from ..dist.trace import Tracer
+            self.tracer = Tracer(job.comm if job.distributed else None)
+            if self.sync is not None:
+                self.sync.tracer = self.tracer
+        # Replicas start identical: rank 0's parameters and buffers everywhere.
+        job.broadcast(self.model.flat_params)
+        self._sync_buffers()
 
     # -- state ------------------------------------------------------------------------------
 
@@ -259,6 +269,7 @@ class _Run:
         model.zero_grad()
         logits = model.forward(x)
         loss = self.criterion.forward(logits, y)
+        tb = time.perf_counter()
         model.backward(self.criterion.backward())
         t1 = time.perf_counter()
         exposed = self.sync.finish() if self.sync else 0.0
@@ -267,6 +278,10 @@ class _Run:
         if self.sched is not None:
             self.sched.step()
         t3 = time.perf_counter()
+        if self.tracer is not None:
+            for name, start, stop in (("forward", t0, tb), ("backward", tb, t1),
+                                      ("update", t2, t3)):
+                self.tracer.span(name, start, stop, step=self.global_step)
         return loss, {"compute": t1 - t0, "comm_exposed": exposed, "update": t3 - t2}
 
     def evaluate(self):
@@ -338,11 +353,14 @@ class _Run:
             model=cfg.model, variant=cfg.variant, dataset=self.ds.name,
             synthetic=bool(self.ds.synthetic), batch_size=cfg.batch_size,
             threads=self.threads, ranks=self.job.world, sync=cfg.sync if self.sync else None,
+            compress=cfg.compress if self.sync else None,
             steps=self.global_step, epochs=self.epoch,
             final_accuracy=None if result is None else result["accuracy"],
             final_loss=None if result is None else result["loss"],
             param_checksum=float(np.sum(self.model.flat_params, dtype=np.float64)))
         report.close()
+        if self.tracer is not None:
+            self.tracer.write(cfg.trace)
         if self.sync is not None:
             self.sync.close()
         return summary

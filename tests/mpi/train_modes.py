@@ -1,7 +1,7 @@
 """Under mpiexec: train one model under each sync mode; rank 0 saves the parameters of each
 and checks that every rank holds identical bytes.
 
-argv: model outdir steps global_batch modes..."""
+argv: model outdir steps global_batch modes... (a mode may carry a wire format: dynamic:fp16)"""
 import hashlib
 import os
 import sys
@@ -14,10 +14,12 @@ from dynar.train import TrainConfig, train
 model, outdir, steps, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 job = Job.start()
 for mode in sys.argv[5:]:
+    sync, _, compress = mode.partition(":")
     extra = dict(variant="cifar", dropout=0.0) if model == "alexnet" else {}
     result = train(TrainConfig(model=model, dataset="synthetic", max_steps=steps,
                                batch_size=batch, lr=0.01, momentum=0.9, weight_decay=5e-4,
-                               sync=mode, eval_every=0, threads=1, **extra), job)
+                               sync=sync, compress=compress or None, eval_every=0, threads=1,
+                               **extra), job)
     params = result.model.flat_params
     digests = job.comm.allgather(hashlib.sha256(params.tobytes()).hexdigest()) \
         if job.comm is not None else [None]
