@@ -1,75 +1,130 @@
-"""Allreduce on this machine: dynar's allreduce (blocking, and nonblocking driven to
-completion) against mpi4py's MPI_Allreduce, for message sizes 4 B ... 256 MB.
+"""Allreduce algorithms against the MPI library's MPI_Allreduce and the link's lower bound.
 
-Bus bandwidth = 2(p-1)/p * bytes / time (the bytes every rank must move in the best
-algorithm), so figures for different p compare. Ranks are started by mpiexec
-(--bind-to core); each figure is the median over repetitions after a warm-up.
+For message sizes 4 B ... 256 MB and p = 2, 3, 4 ranks: every dynar algorithm (and the ring
+with fp16 on the wire) against mpi4py's MPI_Allreduce, alternated size by size, medians of
+the slowest rank. Bus bandwidth = 2(p-1)/p * bytes / time, the bytes every rank must move in
+the best algorithm, so figures for different p compare; the ring lower bound of a link of
+bandwidth B is 2(p-1)/p * n / B. On loopback the "link" is shared memory, its B measured in
+the same run (a large point-to-point exchange); on the emulated cluster it is the shaped rate.
+
+`measure(launch, ...)` is shared with the cluster suite, which launches the same worker on
+emulated hosts.
 """
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 
-from . import harness
+from . import harness, plots
 from .dist import _env, _mpiexec
 from .models import ROOT
 
-SIZES = [4, 4 << 10, 256 << 10, 4 << 20, 25 << 20, 93 << 20, 256 << 20]
-RANKS = [2]
+SIZES = [4 << k for k in range(0, 27, 2)]           # 4 B, 16 B, ... 256 MB
+QUICK_SIZES = [4, 4 << 10, 256 << 10, 4 << 20]
+RANKS = [2, 3, 4]
+QUICK_RANKS = [2, 4]
+PEER = "MPI_Allreduce (mpi4py)"
 
 
 def worker(sizes, repeats):
+    """One rank: prints (rank 0) a JSON list of {bytes, method, time_s, samples} and the
+    measured point-to-point bandwidth between ranks 0 and 1."""
     import numpy as np
     from dynar.dist import runtime
     MPI = runtime.mpi()
-    ar = runtime.allreduce()
     comm = MPI.COMM_WORLD
-    results = []
+    collective = runtime.collective(comm)
+    ar = runtime.allreduce()
+    rank = comm.Get_rank()
+
+    def timed(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return comm.allreduce(statistics.median(times), op=MPI.MAX), times
+
+    # The link: 64 MB each way between ranks 0 and 1 at once (the ring's traffic pattern).
+    probe = np.ones(16 << 20, np.float32)
+    back = np.empty_like(probe)
+    peer = 1 - rank if rank < 2 else MPI.PROC_NULL
+    seconds, _ = timed(lambda: comm.Sendrecv(probe, peer, 0, back, peer, 0))
+    results = {"link_bytes_per_s": probe.nbytes / seconds, "runs": []}
     for nbytes in sizes:
         x = np.ones(max(nbytes // 4, 1), np.float32)
-        methods = {
-            "MPI_Allreduce (mpi4py)": lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
-            "dynar allreduce_mean (blocking)": lambda: ar.allreduce_mean(x, comm),
-            "dynar start_mean + wait (Iallreduce)": lambda: ar.start_mean(x, comm).wait(),
-        }
+        methods = {PEER: lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)}
+        for algorithm in ar.ALGORITHMS:
+            methods[f"dynar {algorithm}"] = lambda a=algorithm: collective.allreduce_mean(x, a)
+        methods["dynar ring fp16 wire"] = lambda: collective.allreduce_mean(x, "ring", "fp16")
         for name, fn in methods.items():
-            fn()
-            times = []
-            for _ in range(repeats):
-                comm.Barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            slowest = comm.allreduce(statistics.median(times), op=MPI.MAX)
-            results.append({"bytes": x.nbytes, "method": name, "time_s": slowest,
-                            "samples": times})
-    if comm.Get_rank() == 0:
-        print(json.dumps(results))
+            t, samples = timed(fn)
+            results["runs"].append({"bytes": x.nbytes, "method": name, "time_s": t,
+                                    "samples": samples})
+    collective.free()
+    if rank == 0:
+        print(json.dumps(results), flush=True)
+
+
+def measure(launch, ranks, sizes, repeats, link_bytes_per_s=None, label="loopback"):
+    """Run the worker through `launch(argv) -> CompletedProcess` on `ranks` ranks; returns
+    records with bus bandwidth, the ring lower bound and the ratio to the MPI peer.
+    link_bytes_per_s: the link's bandwidth (default: the worker's own measurement)."""
+    out = launch([sys.executable, "-m", "perf.allreduce", "--worker",
+                  ",".join(map(str, sizes)), str(repeats)])
+    if out.returncode != 0:
+        raise RuntimeError(f"allreduce worker on {ranks} ranks ({label}): "
+                           f"{out.stderr.strip()[-2000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    link = link_bytes_per_s or result["link_bytes_per_s"]
+    peer = {r["bytes"]: r["time_s"] for r in result["runs"] if r["method"] == PEER}
+    records = []
+    for rec in result["runs"]:
+        factor = 2 * (ranks - 1) / ranks
+        bound = factor * rec["bytes"] / link
+        rec.update(network=label, ranks=ranks, link_bytes_per_s=link,
+                   bus_gbytes_per_s=factor * rec["bytes"] / rec["time_s"] / 1e9,
+                   ring_bound_s=bound, fraction_of_bound=bound / rec["time_s"],
+                   vs_mpi=peer[rec["bytes"]] / rec["time_s"])
+        records.append(rec)
+    return records
+
+
+def table(records):
+    rows = [[r["network"], r["ranks"], f"{r['bytes']:,}", r["method"],
+             f"{1e3 * r['time_s']:.3f}", f"{r['bus_gbytes_per_s']:.2f}",
+             f"{100 * r['fraction_of_bound']:.0f}%", f"{r['vs_mpi']:.2f}x"] for r in records]
+    return harness.format_table(["network", "ranks", "bytes", "method", "ms", "bus GB/s",
+                                 "of ring bound", "speed vs MPI_Allreduce"], rows)
+
+
+def plot(records, name):
+    """Bus bandwidth against message size, one panel per (network, ranks)."""
+    panels = {}
+    for r in records:
+        panels.setdefault(f"{r['network']}, p={r['ranks']}", {}).setdefault(
+            r["method"], []).append((r["bytes"], r["bus_gbytes_per_s"]))
+    return plots.line_panels(name, panels, xlabel="message bytes", ylabel="bus GB/s",
+                             logx=True, logy=True)
 
 
 def run(quick=False):
     repeats = 3 if quick else 7
-    sizes = [s for s in SIZES if not quick or s <= 25 << 20]
-    rows, records = [], []
-    for p in RANKS:
-        cmd = _mpiexec(p) + [sys.executable, "-m", "perf.allreduce", "--worker",
-                             ",".join(map(str, sizes)), str(repeats)]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(),
-                             timeout=1800)
-        if out.returncode != 0:
-            raise RuntimeError(f"allreduce worker on {p} ranks: {out.stderr.strip()[-2000:]}")
-        for rec in json.loads(out.stdout.strip().splitlines()[-1]):
-            rec["ranks"] = p
-            rec["bus_gbytes_per_s"] = 2 * (p - 1) / p * rec["bytes"] / rec["time_s"] / 1e9
-            records.append(rec)
-            rows.append([p, f"{rec['bytes']:,}", rec["method"], f"{1e3 * rec['time_s']:.3f}",
-                         f"{rec['bus_gbytes_per_s']:.2f}"])
-    table = harness.format_table(["ranks", "bytes", "method", "ms", "bus GB/s"], rows)
-    print(table)
-    path = harness.write_result("allreduce", {"runs": records, "table": table})
-    print(f"wrote {path}")
+    sizes = QUICK_SIZES if quick else SIZES
+    records = []
+    for p in QUICK_RANKS if quick else RANKS:
+        launch = lambda argv, p=p: subprocess.run(  # noqa: E731
+            _mpiexec(p) + argv, capture_output=True, text=True, cwd=ROOT, env=_env(),
+            timeout=1800)
+        records += measure(launch, p, sizes, repeats)
+    text = table(records)
+    print(text)
+    png = plot(records, "allreduce")
+    path = harness.write_result("allreduce", {"runs": records, "table": text, "plot": png})
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
     return records
 
 
