@@ -1,0 +1,75 @@
+"""python -m dynar.tune: measure dynar's allreduce algorithms on this job's ranks and hosts,
+fit their costs, and save a tuning file that `--sync dynamic` training jobs of the same
+shape (ranks, ranks per node, MPI library, hosts) load instead of tuning briefly themselves.
+
+Run it under the same launcher and layout as training, e.g.
+    mpiexec -n 8 --map-by ppr:2:node python -m dynar.tune
+Files go to $DYNAR_TUNE_DIR (default ~/.cache/dynar/tune), or --dir.
+"""
+import argparse
+import sys
+
+from .dist import runtime, tuning
+from .dist.job import Job
+
+
+def _sizes(text):
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated byte counts, got {text!r}")
+    if len(sizes) < 2 or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError("need at least two positive message sizes")
+    return sizes
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m dynar.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=_sizes, default=tuning.FULL_SIZES, metavar="B1,B2,...",
+                   help="message sizes in bytes (default 4 B ... 256 MB, powers of 4)")
+    p.add_argument("--repeats", type=int, default=tuning.FULL_REPEATS,
+                   help="timed calls per algorithm and size (median taken)")
+    p.add_argument("--dir", help="where to write the tuning file (default $DYNAR_TUNE_DIR "
+                                 "or ~/.cache/dynar/tune)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        print("error: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    job = Job.start()
+    if not job.distributed:
+        print("error: nothing to tune on one process; run under mpiexec with 2 or more ranks",
+              file=sys.stderr)
+        return 2
+    try:
+        collective = runtime.collective(job.comm)
+        say = print if job.rank == 0 else (lambda *a, **k: None)
+        say(f"tuning {job.world} ranks ({collective.local_size} per node, {collective.nodes} "
+            f"node(s)): {len(args.sizes)} sizes x 5 algorithms x {args.repeats} repeats")
+        model, path, _ = tuning.tune(
+            collective, args.sizes, args.repeats, args.dir,
+            progress=lambda s: say(f"  {s['algorithm']:>18} {s['nbytes']:>11,} B "
+                                   f"{1e6 * s['seconds']:>12.1f} us", flush=True))
+        collective.free()
+    except Exception as exc:  # noqa: BLE001 - one line per failure, and the job ends
+        job.abort(f"error: {exc}")
+    say("fitted time = alpha + beta * bytes per algorithm:")
+    for algorithm in model.algorithms:
+        cost = model.cost(algorithm)
+        bandwidth = f"{1 / cost.beta / 1e9:8.2f} GB/s" if cost.beta > 0 else "unbounded"
+        say(f"  {algorithm:>18}: alpha {1e6 * cost.alpha:8.2f} us, 1/beta {bandwidth}")
+    if model.link is not None:
+        link = model.link
+        say(f"link model: alpha {1e6 * link.alpha:.2f} us, beta {1e9 * link.beta:.4f} ns/B, "
+            f"gamma {1e9 * link.gamma:.4f} ns/B")
+    if path is not None:
+        say(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

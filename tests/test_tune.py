@@ -1,0 +1,39 @@
+"""python -m dynar.tune: measures every algorithm under mpiexec and writes a tuning file that
+a dynamic-sync training job of the same shape then loads instead of tuning itself."""
+import json
+import subprocess
+import sys
+
+from mpirun import ROOT, run_mpi
+
+
+def test_tune_writes_a_file_that_training_then_loads(tmp_path):
+    env = {"DYNAR_TUNE_DIR": str(tmp_path)}
+    done = run_mpi(2, ["-m", "dynar.tune", "--sizes", "4096,65536,1048576", "--repeats", "2"],
+                   env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1, files
+    saved = json.loads(files[0].read_text())
+    assert saved["meta"]["ranks"] == 2 and saved["meta"]["sizes"] == [4096, 65536, 1048576]
+    algorithms = saved["model"]["algorithms"]
+    assert set(algorithms) == {"mpi", "ring", "recursive_doubling", "rabenseifner",
+                               "hierarchical"}
+    assert all(c["alpha"] >= 0 and c["beta"] > 0 for c in algorithms.values()), algorithms
+
+    log = tmp_path / "log.jsonl"
+    done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "8",
+                       "--eval-every", "0", "--threads", "1", "--log", str(log)], env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    plans = [json.loads(line) for line in log.read_text().splitlines()
+             if '"plan"' in line]
+    assert plans and plans[0]["cost_model"] == f"tuning file {files[0].stem}", plans
+    assert len(list(tmp_path.glob("*.json"))) == 1     # loaded, not re-tuned
+
+
+def test_tune_refuses_a_single_process():
+    done = subprocess.run([sys.executable, "-m", "dynar.tune"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2
+    assert "run under mpiexec with 2 or more ranks" in done.stderr
+    assert "Traceback" not in done.stderr
