@@ -125,9 +125,12 @@ def test_fp16_compressed_dynamic_sync_trains_lenet_to_96_percent_with_a_trace(tm
     assert summary["compress"] == "fp16"
     assert summary["final_accuracy"] >= 0.96, summary
     plans = [r for r in records if r["event"] == "plan"]
-    assert plans[0]["phase"] == "planned" and plans[0]["algorithms"] == {
-        "ring": plans[0]["buckets"]}, plans[0]
-    assert any(p["phase"] == "measured" and p["measured_sync_s"] > 0 for p in plans), plans
+    assert plans[0]["phase"] == "cost model" and plans[0]["algorithms"] == ["ring"], plans[0]
+    trials = [p for p in plans if p["phase"] == "trial"]
+    assert {p["candidate"] for p in trials} >= {"planned", "fused"}, trials
+    chosen = [p for p in plans if p["phase"] == "chosen"]
+    assert chosen and chosen[0]["measured_sync_s"] == min(p["measured_sync_s"] for p in trials)
+    assert all(p["algorithms"] == {"ring": p["buckets"]} for p in trials + chosen), plans
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}

@@ -22,12 +22,12 @@ def test_tune_writes_a_file_that_training_then_loads(tmp_path):
     assert all(c["alpha"] >= 0 and c["beta"] > 0 for c in algorithms.values()), algorithms
 
     log = tmp_path / "log.jsonl"
-    done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "8",
+    done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "12",
                        "--eval-every", "0", "--threads", "1", "--log", str(log)], env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [json.loads(line) for line in log.read_text().splitlines()
              if '"plan"' in line]
-    assert plans and plans[0]["cost_model"] == f"tuning file {files[0].stem}", plans
+    assert plans and plans[0]["source"] == f"tuning file {files[0].stem}", plans
     assert len(list(tmp_path.glob("*.json"))) == 1     # loaded, not re-tuned
 
 

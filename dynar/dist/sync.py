@@ -12,7 +12,8 @@ float summation order:
              moment it is complete while backward goes on with earlier layers;
 - dynamic:   Dynamic Allreduce (DESIGN.md): bucket boundaries and one algorithm per bucket
              from the planner, fed with this job's measured backward timings and the tuned
-             cost of each algorithm, re-planned when the measured timings drift.
+             cost of each algorithm, tried against the baselines and re-planned when the
+             measured timings drift (dist/online.py).
 
 How buckets progress while backward computes (measured, docs/PERFORMANCE.md): a
 communication thread runs the blocking allreduce of one bucket after another (GIL
@@ -24,7 +25,6 @@ no SERIALIZED support, buckets fall back to MPI_Iallreduce driven by test() call
 layers on the training thread (DYNAR_SYNC_PROGRESS=calls forces it, for comparison and
 tests); dynamic mode then plans with the MPI library's algorithm only.
 """
-import collections
 import os
 import queue
 import threading
@@ -33,19 +33,12 @@ import time
 import numpy as np
 
 from . import planner, runtime, tuning
+from .online import OnlinePlanner
 from .trace import COMMUNICATION, TRAINING
 
 MODES = planner.MODES + ("dynamic",)
 COMPRESSION = ("fp16", "bf16")
 
-# Dynamic mode: steps run on the safe default plan (25 MB buckets, the MPI library's
-# allreduce) while backward timings are measured; the first of them is not used (it pays for
-# buffer allocation and warm caches).
-MEASURE_STEPS = 6
-# After each plan: steps whose median is taken as the plan's measured figure, and the
-# relative drift of later windows from it that triggers a re-plan.
-CHECK_STEPS = 20
-DRIFT = 0.2
 
 
 class _CommThread:
@@ -115,25 +108,25 @@ class GradientSynchronizer:
         self._ar = runtime.allreduce()
         self.collective = runtime.collective(comm, reduce_threads=threads)
         self._residual = np.zeros_like(self._grads) if compress else None
-        # Dynamic mode's cost model is found (loaded, or briefly tuned) when it first plans:
-        # after the start-up agreement, so ranks of a misconfigured job never reach the
-        # tuning collectives with different message sizes.
-        self.cost, self.cost_source, self._tune_dir = None, None, tune_dir
+        self._tune_dir = tune_dir
         self._default_algorithm = "ring" if compress else "mpi"
         static = "buckets" if mode == "dynamic" else mode
         self.buckets = self._slices(planner.static_buckets(self._sizes, static, self.bucket_bytes,
                                                            self._default_algorithm))
-        self.plan = None
+        self.online = None
+        if mode == "dynamic" and self.world > 1:
+            # The cost model is found (loaded, or briefly tuned) when it first plans: after
+            # the start-up agreement, so ranks of a misconfigured job never reach the tuning
+            # collectives with different message sizes. On the wire a compressed bucket is
+            # half its float32 size.
+            wire = 2 if compress else 1
+            self.online = OnlinePlanner(self._sizes // wire, self._cost_model,
+                                        self._allowed_algorithms(), self._max_over_ranks,
+                                        self._on_event, self.bucket_bytes // wire)
         self._thread = None
         if self.world > 1 and self.progress == "thread" and mode in ("buckets", "dynamic"):
             self._thread = _CommThread()
         self._handle = model.register_grad_ready_hook(self._on_grad_ready)
-        # Dynamic mode's measurements: per step, each layer's ready time (seconds after the
-        # first layer's) and the synchronization figure backward span + exposed.
-        self._ready_history = collections.deque(maxlen=MEASURE_STEPS - 1)
-        self._window = []
-        self._baseline = None
-        self.steps = 0
         self._begin_step()
 
     # -- plans ------------------------------------------------------------------------------
@@ -143,62 +136,20 @@ class GradientSynchronizer:
         return [(self._layers[b.first][1], self._layers[b.stop - 1][2], b.algorithm)
                 for b in buckets]
 
-    def _candidates(self):
+    def _allowed_algorithms(self):
         if self.compress:
             return ("ring",)          # the one algorithm with a 16-bit wire format
         if self.progress == "calls":
             return ("mpi",)           # only MPI_Iallreduce progresses without a thread
-        return self.cost.algorithms
+        return None                   # every algorithm the cost model prices
 
-    def _replan(self, reason):
-        """Plan from the slowest rank's median ready times: every rank gets the same input,
-        so the same plan. Collective; called between steps (communication idle)."""
-        if self.cost is None:
-            self.cost, self.cost_source = tuning.cost_model_for(
-                self.collective, int(self._sizes.sum()), self._tune_dir)
-        local = np.median(np.array(self._ready_history), axis=0)
-        ready = np.empty_like(local)
-        self.collective.comm_handle.Allreduce(local, ready, op=runtime.mpi().MAX)
-        # On the wire a compressed bucket is half its float32 size.
-        sizes = self._sizes // 2 if self.compress else self._sizes
-        new = planner.plan(sizes, ready, self.cost, self._candidates())
-        self.plan = new
-        self.buckets = self._slices(new.buckets)
-        self._baseline, self._window = None, []
-        self._on_event({"event": "plan", "phase": "planned", "step": self.steps,
-                        "reason": reason, "cost_model": self.cost_source,
-                        "buckets": len(new.buckets),
-                        "algorithms": collections.Counter(b.algorithm for b in new.buckets),
-                        "bucket_mb": [round(float(sizes[b.first:b.stop].sum()) / 2 ** 20, 3)
-                                      for b in new.buckets],
-                        "predicted_sync_s": new.predicted_finish_s,
-                        "predicted_exposed_s": new.predicted_exposed_s,
-                        "backward_s": float(ready[-1])})
+    def _max_over_ranks(self, values):
+        out = np.empty_like(values)
+        self.collective.comm_handle.Allreduce(values, out, op=runtime.mpi().MAX)
+        return out
 
-    def _observe(self, ready, exposed):
-        """Dynamic mode, after each step: plan once timings are measured, then compare each
-        window of CHECK_STEPS steps with the first one after the plan and re-plan on drift."""
-        if ready is not None:
-            self._ready_history.append(ready)
-        if self.plan is None:
-            if self.steps >= MEASURE_STEPS and len(self._ready_history) == MEASURE_STEPS - 1:
-                self._replan("initial")
-            return
-        self._window.append((0.0 if ready is None else ready[-1]) + exposed)
-        if len(self._window) < CHECK_STEPS:
-            return
-        local = np.array([np.median(self._window)])
-        measured = np.empty_like(local)
-        self.collective.comm_handle.Allreduce(local, measured, op=runtime.mpi().MAX)
-        measured = float(measured[0])
-        self._window = []
-        if self._baseline is None:
-            self._baseline = measured
-            self._on_event({"event": "plan", "phase": "measured", "step": self.steps,
-                            "predicted_sync_s": self.plan.predicted_finish_s,
-                            "measured_sync_s": measured})
-        elif planner.should_replan(self._baseline, measured, DRIFT):
-            self._replan(f"drift: {measured * 1e3:.2f} ms against {self._baseline * 1e3:.2f} ms")
+    def _cost_model(self):
+        return tuning.cost_model_for(self.collective, int(self._sizes.sum()), self._tune_dir)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -266,9 +217,11 @@ class GradientSynchronizer:
         ready = None
         if len(self._ready) == len(self._layers) and self._layers:
             ready = np.array(self._ready) - self._ready[0]
-        self.steps += 1
-        if self.mode == "dynamic" and self.world > 1:
-            self._observe(ready, exposed)
+        if self.online is not None:
+            sync_s = (0.0 if ready is None else float(ready[-1])) + exposed
+            buckets = self.online.observe(ready, sync_s)
+            if buckets is not None:
+                self.buckets = self._slices(buckets)
         self._begin_step()
         return exposed
 

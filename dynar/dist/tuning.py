@@ -19,7 +19,7 @@ from . import costmodel, runtime
 # A thorough tune (python -m dynar.tune) and the brief one a job runs on first use.
 FULL_SIZES = [4 << k for k in range(0, 27, 2)]            # 4 B ... 256 MB
 FULL_REPEATS = 7
-BRIEF_SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
+BRIEF_SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20]
 BRIEF_REPEATS = 3
 
 

@@ -1,0 +1,146 @@
+"""Dynamic Allreduce's online part: measure, plan, try, keep, and re-plan on drift.
+
+The planner's model knows message costs and when backward finalizes each layer, but not
+what communicating *during* backward does to backward itself: on a node whose cores all
+compute, the communication thread's copies and sums take cycles from the compute threads
+(on this 2-core machine AlexNet's backward runs ~30% slower while buckets reduce beside it).
+So the plan the model prefers is not trusted blindly: it is tried against the two baselines
+it must beat (everything after backward, and DDP-style 25 MB buckets, each with the cheapest
+algorithm for its size), a few steps each, and the fastest *measured* wins.
+
+The phases, all decided from figures maxed over ranks so every rank switches plans at the
+same step (collective sequences can never differ):
+
+1. measure: MEASURE_STEPS steps on the default plan, recording each layer's ready time;
+2. trial:   each candidate plan runs TRIAL_STEPS steps; its figure is the median of
+            backward span + exposed communication (the part of a step sync can change);
+3. run:     the fastest candidate; every CHECK_STEPS steps its figure is compared with the
+            one it won with, and a drift beyond DRIFT starts a new trial from fresh timings.
+
+Every decision is logged as a JSON event "plan" (phase trial/chosen) with the predicted and
+the measured figure.
+"""
+import collections
+
+import numpy as np
+
+from . import planner
+
+MEASURE_STEPS = 6      # the first is dropped: it pays for buffer allocation
+TRIAL_STEPS = 5
+CHECK_STEPS = 20
+DRIFT = 0.2
+
+
+class OnlinePlanner:
+    """Feeds on one step at a time (observe) and says when the buckets change.
+
+    sizes_bytes: per-layer gradient bytes (on the wire) in ready order; cost_model(): the
+    (CostModel, source), fetched on first use (collective); algorithms: those allowed
+    (None: all the cost model has);
+    agree(array) -> elementwise max over ranks; on_event(dict) records decisions."""
+
+    def __init__(self, sizes_bytes, cost_model, algorithms, agree, on_event,
+                 bucket_bytes=25 * 2 ** 20):
+        self.sizes = np.asarray(sizes_bytes, np.int64)
+        self._cost_model, self._cost = cost_model, None
+        self._algorithms = algorithms
+        self._agree = agree
+        self._on_event = on_event
+        self.bucket_bytes = bucket_bytes
+        self._ready = collections.deque(maxlen=MEASURE_STEPS - 1)
+        self._skip = 1
+        self._window = []
+        self._trials = []          # [(name, plan)] still to try
+        self._results = []         # [(name, plan, measured)]
+        self.plan = None           # the plan running now (None: the default)
+        self.candidate = None      # its name: planned, fused or buckets
+        self._baseline = None
+        self.step = 0
+
+    def _cheapest(self, nbytes):
+        return min(self._algorithms, key=lambda a: float(self._cost.time(a, int(nbytes))))
+
+    def _candidates(self, ready):
+        """The model's plan and the two baselines, each with its cheapest algorithms."""
+        cost, sizes = self._cost, self.sizes
+        candidates = {"planned": planner.plan(sizes, ready, cost, self._algorithms)}
+        for mode in ("fused", "buckets"):
+            runs = planner.static_buckets(sizes, mode, self.bucket_bytes)
+            buckets = tuple(planner.Bucket(b.first, b.stop,
+                                           self._cheapest(sizes[b.first:b.stop].sum()))
+                            for b in runs)
+            finish, exposed = planner.simulate(buckets, sizes, ready, cost)
+            candidates[mode] = planner.Plan(buckets, float(finish[-1]), exposed)
+        unique = {}
+        for name, plan in candidates.items():     # the same buckets need one trial only
+            unique.setdefault(plan.buckets, (name, plan))
+        return list(unique.values())
+
+    def _event(self, phase, name, plan, measured=None, **extra):
+        record = {"event": "plan", "phase": phase, "step": self.step, "candidate": name,
+                  "buckets": len(plan.buckets),
+                  "algorithms": dict(collections.Counter(b.algorithm for b in plan.buckets)),
+                  "bucket_mb": [round(float(self.sizes[b.first:b.stop].sum()) / 2 ** 20, 3)
+                                for b in plan.buckets],
+                  "predicted_sync_s": plan.predicted_finish_s,
+                  "predicted_exposed_s": plan.predicted_exposed_s}
+        if measured is not None:
+            record["measured_sync_s"] = measured
+        record.update(extra)
+        self._on_event(record)
+
+    def _start_trials(self, reason):
+        if self._cost is None:
+            self._cost, source = self._cost_model()
+            self._algorithms = self._algorithms or self._cost.algorithms
+            self._on_event({"event": "plan", "phase": "cost model", "step": self.step,
+                            "source": source, "algorithms": list(self._algorithms)})
+        ready = self._agree(np.median(np.array(self._ready), axis=0))
+        self._trials = self._candidates(ready)
+        self._results = []
+        self._reason = reason
+        return self._next_trial()
+
+    def _next_trial(self):
+        name, plan = self._trials.pop(0)
+        self.candidate = name
+        self._window, self._skip = [], 1    # the first step on new buckets is not typical
+        self.plan = plan
+        return plan.buckets
+
+    def observe(self, ready, sync_s):
+        """One finished step: ready = each layer's ready time after the first layer's (or
+        None if backward did not run every layer), sync_s = backward span + exposed
+        communication. Returns new buckets (planner.Bucket tuple) to use from the next step
+        on, or None to keep the current ones."""
+        self.step += 1
+        if self._skip:
+            self._skip -= 1
+            return None
+        if ready is not None:
+            self._ready.append(ready)
+        if self.plan is None:                             # measuring on the default plan
+            if len(self._ready) == self._ready.maxlen:
+                return self._start_trials("initial")
+            return None
+        self._window.append(sync_s)
+        running = self._baseline is not None
+        if len(self._window) < (CHECK_STEPS if running else TRIAL_STEPS):
+            return None
+        measured = float(self._agree(np.array([np.median(self._window)]))[0])
+        self._window = []
+        if not running:                                   # a trial finished
+            self._results.append((self.candidate, self.plan, measured))
+            self._event("trial", self.candidate, self.plan, measured)
+            if self._trials:
+                return self._next_trial()
+            name, plan, best = min(self._results, key=lambda r: r[2])
+            self.candidate, self.plan, self._baseline, self._skip = name, plan, best, 1
+            self._event("chosen", name, plan, best, reason=self._reason)
+            return plan.buckets
+        if planner.should_replan(self._baseline, measured, DRIFT):
+            reason = f"drift: {1e3 * measured:.2f} ms against {1e3 * self._baseline:.2f} ms"
+            self._baseline = None
+            return self._start_trials(reason)
+        return None

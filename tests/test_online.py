@@ -1,0 +1,80 @@
+"""Dynamic Allreduce's online controller, without MPI: phases, trials, choice and drift."""
+import numpy as np
+
+from dynar.dist import online
+from dynar.dist.costmodel import AlgorithmCost, CostModel
+
+SIZES = np.array([4000, 400000, 40000, 4000000], np.int64)
+READY = np.array([0.0, 0.002, 0.004, 0.006])
+
+
+def cost_model():
+    return CostModel(2, 1, {"mpi": AlgorithmCost(1e-5, 1e-9),
+                            "ring": AlgorithmCost(3e-5, 5e-10)}), "test model"
+
+
+def controller(events, agree=lambda a: a):
+    return online.OnlinePlanner(SIZES, cost_model, None, agree, events.append,
+                                bucket_bytes=300000)
+
+
+def drive(ctl, figure, steps):
+    """Feed `steps` steps whose sync figure is figure(candidate running); returns the
+    (step, buckets) changes."""
+    changes = []
+    for _ in range(steps):
+        name = ctl.candidate or "default"
+        new = ctl.observe(READY, figure(name))
+        if new is not None:
+            changes.append((ctl.step, new))
+    return changes
+
+
+def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
+    events = []
+    ctl = controller(events)
+    speed = {"default": 0.01, "planned": 0.009, "fused": 0.007, "buckets": 0.012}
+    drive(ctl, lambda name: speed[name], 60)
+    phases = [e["phase"] for e in events]
+    assert phases[0] == "cost model" and events[0]["source"] == "test model"
+    trials = [e for e in events if e["phase"] == "trial"]
+    assert [t["candidate"] for t in trials] == ["planned", "fused", "buckets"]
+    assert [t["measured_sync_s"] for t in trials] == [0.009, 0.007, 0.012]
+    chosen = [e for e in events if e["phase"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["candidate"] == "fused"
+    assert len(ctl.plan.buckets) == 1
+    # The default plan ran MEASURE_STEPS steps (the first dropped), then each trial
+    # TRIAL_STEPS after a dropped switching step.
+    assert trials[0]["step"] == online.MEASURE_STEPS + 1 + online.TRIAL_STEPS
+
+
+def test_drift_starts_new_trials_and_steady_timings_do_not():
+    events = []
+    ctl = controller(events)
+    state = {"slow": 1.0}
+    drive(ctl, lambda name: 0.01 * state["slow"], 30 + 3 * online.CHECK_STEPS)
+    assert sum(e["phase"] == "chosen" for e in events) == 1
+    state["slow"] = 1.5
+    drive(ctl, lambda name: 0.01 * state["slow"], 2 * online.CHECK_STEPS + 30)
+    chosen = [e for e in events if e["phase"] == "chosen"]
+    assert len(chosen) == 2 and chosen[1]["reason"].startswith("drift: 15.00 ms against 10.00 ms")
+
+
+def test_ranks_with_different_timings_choose_the_same_plan():
+    # The agree() callback stands for the MPI max over ranks: whatever each rank measured
+    # locally, both see the same figures and so walk through identical decisions.
+    rng = np.random.default_rng(0)
+    shared = {}
+
+    def agree(values):
+        key = (values.shape, len(shared))
+        return shared.setdefault(key, values * 0 + 0.02)   # "the slowest rank's" figures
+
+    plans = []
+    for rank in range(2):
+        shared.clear()
+        ctl = controller([], agree)
+        for _ in range(60):
+            ctl.observe(np.sort(rng.random(4)) * 0.01, rng.random() * 0.01)
+        plans.append(ctl.plan)
+    assert plans[0] == plans[1]
