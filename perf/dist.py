@@ -1,9 +1,15 @@
-"""Data-parallel training on this machine: dynar's sync modes against PyTorch DDP (gloo).
+"""Data-parallel training: dynar's sync modes against PyTorch DDP (gloo), same launcher.
 
-Protocol (issue 4): 2 ranks x 1 compute thread (mpiexec --bind-to none), global batch 64 (32 per rank), synthetic data,
-SGD momentum 0.9. Scaling efficiency = 2-rank img/s / (2 x img/s of 1 rank x 1 thread at
-batch 32), each framework against its own 1-rank baseline, all measured in one run,
-alternating frameworks round by round; medians over the measured steps.
+Protocol (issues 4 and 6): R ranks x 1 compute thread, 32 images per rank (global batch
+32 R), synthetic data, SGD momentum 0.9. Scaling efficiency = R-rank img/s / (R x img/s of
+one rank x 1 thread at batch 32), each framework against its own 1-rank baseline, all in one
+run, frameworks alternated round by round; medians over the measured steps. Dynamic sync's
+exploration (measuring, then trying its candidate plans) is excluded from its measured
+steps, as every run's warm-up is: the figures are steady state. The cost of exploring is
+reported separately (steps it took).
+
+`compare(launcher, ...)` runs the same comparison through any launcher: mpiexec on this
+machine (`python -m perf dist`), or the emulated cluster (perf/cluster).
 """
 import json
 import os
@@ -15,9 +21,11 @@ import tempfile
 from . import harness
 from .models import ROOT, WARMUP
 
-MODELS = [("lenet", "mnist"), ("alexnet", "cifar")]
-MODES = ["per-layer", "fused", "buckets"]
+MODELS = [("lenet", "mnist"), ("alexnet", "cifar"), ("vgg16_bn", "cifar"), ("resnet18", "cifar")]
+QUICK_MODELS = [("lenet", "mnist"), ("alexnet", "cifar")]
+MODES = ["per-layer", "fused", "buckets", "dynamic"]
 RANKS, PER_RANK = 2, 32
+STEPS = {"lenet": 100, "alexnet": 12, "vgg16_bn": 6, "resnet18": 6}
 
 
 def _mpiexec(ranks):
@@ -36,29 +44,61 @@ def _env():
     return env
 
 
-def _dynar(name, variant, ranks, mode, steps):
-    """Summary of `python -m dynar.train` on `ranks` ranks (1: no mpiexec)."""
+class LocalLauncher:
+    """Ranks on this machine under mpiexec (shared memory between them)."""
+    label = "loopback"
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def run(self, argv, env=None, timeout=1800):
+        return subprocess.run(_mpiexec(self.ranks) + argv, capture_output=True, text=True,
+                              cwd=ROOT, env=dict(_env(), **(env or {})), timeout=timeout)
+
+    def rendezvous_address(self):
+        return "127.0.0.1"
+
+
+def _single(argv, env=None):
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(_env(), **(env or {})), timeout=1800)
+
+
+def _dynar(launcher, name, variant, mode, steps):
+    """Per-step figures of `python -m dynar.train` (launcher None: one process)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
-        cmd = [sys.executable, "-m", "dynar.train", "--model", name, "--dataset", "synthetic",
-               "--batch-size", str(PER_RANK * ranks), "--max-steps", str(steps + WARMUP),
-               "--threads", "1", "--eval-every", "0", "--log", log, "--sync", mode]
+        # Dynamic sync explores first (measure, then one trial per candidate plan): give it
+        # the steps for that on top of the measured ones.
+        explore = 30 if mode == "dynamic" else 0
+        ranks = launcher.ranks if launcher else 1
+        argv = [sys.executable, "-m", "dynar.train", "--model", name, "--dataset", "synthetic",
+                "--batch-size", str(PER_RANK * ranks),
+                "--max-steps", str(steps + WARMUP + explore), "--threads", "1",
+                "--eval-every", "0", "--log", log, "--sync", mode]
         if variant != "mnist":
-            cmd += ["--variant", variant]
+            argv += ["--variant", variant]
         if name == "alexnet":
-            cmd += ["--dropout", "0"]
-        if ranks > 1:
-            cmd = _mpiexec(ranks) + cmd
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(),
-                             timeout=1800)
+            argv += ["--dropout", "0"]
+        out = launcher.run(argv) if launcher else _single(argv)
         if out.returncode != 0:
             raise RuntimeError(f"dynar {name} x{ranks} {mode}: {out.stderr.strip()[-2000:]}")
         with open(log) as f:
-            steps_ = [json.loads(line) for line in f]
-    measured = [s for s in steps_ if s["event"] == "step"][WARMUP:]
-    return {"step": [s["step_s"] for s in measured],
-            "comm_exposed": [s["comm_exposed_s"] for s in measured],
-            "compute": [s["compute_s"] for s in measured]}
+            records = [json.loads(line) for line in f]
+    chosen = [r for r in records if r["event"] == "plan" and r["phase"] == "chosen"]
+    if mode == "dynamic" and not chosen:
+        raise RuntimeError(f"dynar {name} x{ranks} dynamic: no plan chosen in {len(records)} "
+                           f"log records")
+    first = chosen[0]["step"] + 1 if chosen else WARMUP
+    measured = [r for r in records if r["event"] == "step" and r["step"] > first][-steps:]
+    got = {"step": [s["step_s"] for s in measured],
+           "comm_exposed": [s["comm_exposed_s"] for s in measured],
+           "compute": [s["compute_s"] for s in measured]}
+    if chosen:
+        got["plan"] = [f"{chosen[-1]['candidate']}: {chosen[-1]['buckets']} buckets "
+                       + ", ".join(f"{a} x{n}" for a, n in chosen[-1]["algorithms"].items())]
+        got["explore_steps"] = [chosen[0]["step"]]
+    return got
 
 
 def _free_port():
@@ -68,15 +108,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _ddp(name, variant, ranks, steps):
-    cmd = [sys.executable, "-m", "perf.dist", "--worker", name, variant, str(steps)]
-    if ranks > 1:
-        cmd = _mpiexec(ranks) + cmd
-    # A fresh rendezvous port per launch: the previous job's may still be in TIME_WAIT.
-    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+def _ddp(launcher, name, variant, steps):
+    argv = [sys.executable, "-m", "perf.dist", "--worker", name, variant, str(steps)]
+    if launcher is None:
+        out = _single(argv, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    else:
+        # A fresh rendezvous port per launch: the previous job's may still be in TIME_WAIT.
+        out = launcher.run(argv, {"MASTER_ADDR": launcher.rendezvous_address(),
+                                  "MASTER_PORT": str(_free_port())})
     if out.returncode != 0:
-        raise RuntimeError(f"DDP {name} x{ranks}: {out.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"DDP {name}: {out.stderr.strip()[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -121,49 +162,69 @@ def worker(name, variant, steps):
     os._exit(0)
 
 
-def run(quick=False):
-    rounds = 1 if quick else 3
-    rows, records = [], []
-    for name, variant in MODELS:
-        steps = (30 if name == "lenet" else 5) if quick else (100 if name == "lenet" else 12)
+def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True):
+    """Records for each model: dynar's modes and DDP on `launcher`'s ranks, plus each
+    framework's 1-rank baseline (single_rank) for scaling efficiency."""
+    records = []
+    for name, variant in models:
+        steps = max(3, int(STEPS[name] * steps_scale))
+        candidates = {("ddp", launcher.ranks, None): lambda: _ddp(launcher, name, variant, steps)}
+        for mode in MODES:
+            candidates[("dynar", launcher.ranks, mode)] = \
+                lambda mode=mode: _dynar(launcher, name, variant, mode, steps)
+        if single_rank:
+            candidates[("dynar", 1, "fused")] = lambda: _dynar(None, name, variant, "fused", steps)
+            candidates[("ddp", 1, None)] = lambda: _ddp(None, name, variant, steps)
         runs = {}
         for _ in range(rounds):
-            candidates = {("dynar", 1, "fused"): lambda: _dynar(name, variant, 1, "fused", steps),
-                          ("ddp", 1, None): lambda: _ddp(name, variant, 1, steps)}
-            for mode in MODES:
-                candidates[("dynar", RANKS, mode)] = \
-                    lambda mode=mode: _dynar(name, variant, RANKS, mode, steps)
-            candidates[("ddp", RANKS, None)] = lambda: _ddp(name, variant, RANKS, steps)
             for key, fn in candidates.items():
-                got = fn()
-                for k, v in got.items():
+                for k, v in fn().items():
                     runs.setdefault(key, {}).setdefault(k, []).extend(v)
-        med = {key: {k: statistics.median(v) for k, v in val.items()} for key, val in runs.items()}
-        base = {"dynar": PER_RANK / med[("dynar", 1, "fused")]["step"],
-                "ddp": PER_RANK / med[("ddp", 1, None)]["step"]}
-        ddp_rate = RANKS * PER_RANK / med[("ddp", RANKS, None)]["step"]
-        for key in [("dynar", RANKS, m) for m in MODES] + [("ddp", RANKS, None)]:
+        med = {key: {k: statistics.median(v) for k, v in val.items() if k != "plan"}
+               for key, val in runs.items()}
+        ddp_rate = launcher.ranks * PER_RANK / med[("ddp", launcher.ranks, None)]["step"]
+        for key in [("dynar", launcher.ranks, m) for m in MODES] + [("ddp", launcher.ranks, None)]:
             framework, ranks, mode = key
             rate = ranks * PER_RANK / med[key]["step"]
-            rec = {"model": f"{name}-{variant}", "framework": framework, "sync": mode,
-                   "ranks": ranks, "threads_per_rank": 1, "global_batch": ranks * PER_RANK,
+            rec = {"model": f"{name}-{variant}", "network": launcher.label,
+                   "framework": framework, "sync": mode, "ranks": ranks,
+                   "threads_per_rank": 1, "global_batch": ranks * PER_RANK,
                    "step_s": med[key]["step"], "images_per_sec": rate,
                    "comm_exposed_s": med[key].get("comm_exposed"),
-                   "one_rank_images_per_sec": base[framework],
-                   "scaling_efficiency": rate / (ranks * base[framework]),
-                   "vs_ddp": rate / ddp_rate, "samples": runs[key]}
+                   "compute_s": med[key].get("compute"),
+                   "plan": runs[key].get("plan"), "vs_ddp": rate / ddp_rate,
+                   "samples": runs[key]}
+            if single_rank:
+                one = med[(framework, 1, "fused" if framework == "dynar" else None)]["step"]
+                rec["one_rank_images_per_sec"] = PER_RANK / one
+                rec["scaling_efficiency"] = rate / (ranks * PER_RANK / one)
             records.append(rec)
-            rows.append([rec["model"], "dynar " + mode if mode else "PyTorch DDP (gloo)",
-                         f"{1000 * rec['step_s']:.1f}", f"{rate:,.0f}",
-                         "-" if rec["comm_exposed_s"] is None
-                         else f"{1000 * rec['comm_exposed_s']:.2f}",
-                         f"{100 * rec['scaling_efficiency']:.0f}%", f"{rec['vs_ddp']:.2f}x"])
-    table = harness.format_table(["model", "sync", "step ms", "img/s", "exposed comm ms",
-                                  "scaling efficiency", "img/s vs DDP"], rows)
-    print(table)
+    return records
+
+
+def table(records):
+    rows = []
+    for r in records:
+        eff = r.get("scaling_efficiency")
+        rows.append([r["model"], r["network"], r["ranks"],
+                     "dynar " + r["sync"] if r["sync"] else "PyTorch DDP (gloo)",
+                     f"{1000 * r['step_s']:.1f}", f"{r['images_per_sec']:,.0f}",
+                     "-" if r["comm_exposed_s"] is None else f"{1000 * r['comm_exposed_s']:.2f}",
+                     "-" if eff is None else f"{100 * eff:.0f}%", f"{r['vs_ddp']:.2f}x",
+                     (r.get("plan") or [""])[-1]])
+    return harness.format_table(["model", "network", "ranks", "sync", "step ms", "img/s",
+                                 "exposed comm ms", "scaling efficiency", "img/s vs DDP",
+                                 "dynamic's plan"], rows)
+
+
+def run(quick=False):
+    records = compare(LocalLauncher(RANKS), QUICK_MODELS if quick else MODELS,
+                      rounds=1 if quick else 2, steps_scale=0.5 if quick else 1.0)
+    text = table(records)
+    print(text)
     print(f"\n{RANKS} ranks x 1 thread, {PER_RANK} images per rank; efficiency against each "
           f"framework's own 1-rank x 1-thread run at batch {PER_RANK}")
-    path = harness.write_result("dist", {"runs": records, "table": table})
+    path = harness.write_result("dist", {"runs": records, "table": text})
     print(f"wrote {path}")
     return records
 
