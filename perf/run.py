@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 
-SUITES = ["kernels", "models", "allreduce", "dist"]
+SUITES = ["kernels", "models", "allreduce", "dist", "scale"]
 
 
 def main(argv=None):
