@@ -585,8 +585,10 @@ cdef class Collective:
             start += m
         return err
 
-    def allreduce_mean(self, buf, algorithm="mpi", wire=None):
-        """Reduce `buf` in place to the mean over the communicator's ranks."""
+    def allreduce_mean(self, buf, algorithm="mpi", wire=None, threads=None):
+        """Reduce `buf` in place to the mean over the communicator's ranks, summing large
+        chunks with `threads` OpenMP threads (default: reduce_threads). A caller that runs
+        beside busy compute threads passes 1: a second team would compete for their cores."""
         cdef FloatKind kind = float_kind("buf", buf)
         cdef cnp.ndarray a = check_float("buf", buf, 1, kind, output=True)
         cdef Py_ssize_t n = a.shape[0]
@@ -601,7 +603,7 @@ cdef class Collective:
         c.dtype = MPI_FLOAT if kind == F32 else MPI_DOUBLE
         c.item = 4 if kind == F32 else 8
         c.wire = w
-        c.threads = self.reduce_threads
+        c.threads = self.reduce_threads if threads is None else max(1, int(threads))
         if n == 0 or self.size == 1:
             return
         cdef Py_ssize_t chunk = (n + self.size - 1) // self.size

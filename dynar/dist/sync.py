@@ -159,14 +159,14 @@ class GradientSynchronizer:
         self._blocked = 0.0     # seconds per-layer mode spent blocked inside backward
         self._ready = []        # perf_counter() as backward finalizes each layer
 
-    def _reduce(self, index):
-        """Allreduce bucket `index` (on whichever thread calls this)."""
+    def _reduce(self, index, threads=None):
+        """Allreduce bucket `index` (on whichever thread calls this; `threads` sums)."""
         start, stop, algorithm = self.buckets[index]
         buf = self._grads[start:stop]
         t0 = time.perf_counter()
         if self.compress:
             self._ar.compress_with_feedback(buf, self._residual[start:stop], self.compress)
-        self.collective.allreduce_mean(buf, algorithm, self.compress)
+        self.collective.allreduce_mean(buf, algorithm, self.compress, threads)
         if self.tracer is not None:
             self.tracer.span(f"allreduce {index}", t0, time.perf_counter(), COMMUNICATION,
                               algorithm=algorithm, bytes=4 * (stop - start),
@@ -189,7 +189,8 @@ class GradientSynchronizer:
                 self._reduce(index)
                 self._blocked += time.perf_counter() - t0
             elif self._thread is not None:
-                self._thread.submit(lambda index=index: self._reduce(index))
+                # One summing thread beside backward: the compute threads own the cores.
+                self._thread.submit(lambda index=index: self._reduce(index, threads=1))
             else:
                 start_, stop_, _ = self.buckets[index]
                 self._in_flight.append(self._ar.start_mean(self._grads[start_:stop_],
