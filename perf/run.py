@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 
-SUITES = ["kernels", "models", "allreduce", "dist", "scale"]
+SUITES = ["kernels", "models", "allreduce", "dist", "cluster", "scale"]
 
 
 def main(argv=None):
