@@ -33,15 +33,15 @@ from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 from cython.parallel cimport prange
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
 cimport numpy as cnp
 
 from mpi4py.libmpi cimport (MPI_Aint, MPI_Comm, MPI_COMM_NULL, MPI_Datatype, MPI_DOUBLE,
                             MPI_FLOAT, MPI_IN_PLACE, MPI_INFO_NULL, MPI_MODE_NOCHECK,
                             MPI_PROC_NULL, MPI_Request, MPI_STATUS_IGNORE, MPI_STATUSES_IGNORE,
                             MPI_SUCCESS, MPI_SUM, MPI_UINT16_T, MPI_Win, MPI_WIN_NULL,
-                            MPI_Allreduce, MPI_Barrier, MPI_Comm_size, MPI_Finalized, MPI_Iallreduce,
-                            MPI_Irecv, MPI_Isend, MPI_Sendrecv, MPI_Testall, MPI_Wait,
-                            MPI_Waitall, MPI_Win_allocate_shared, MPI_Win_free,
+                            MPI_Allreduce, MPI_Comm_size, MPI_Finalized, MPI_Iallreduce,
+                            MPI_Ibarrier, MPI_Irecv, MPI_Isend, MPI_Testall, MPI_Waitall, MPI_Win_allocate_shared, MPI_Win_free,
                             MPI_Win_lock_all, MPI_Win_shared_query, MPI_Win_sync,
                             MPI_Win_unlock_all)
 from mpi4py.MPI cimport Comm
@@ -78,6 +78,11 @@ DEF SHARED_SLOT_BYTES = 1 << 22
 # Below this many elements a sum runs on one thread (an OpenMP team costs more than it saves).
 DEF PARALLEL_MIN = 1 << 18
 DEF TAG = 7401
+# Waiting politely: poll MPI for this long, then sleep between polls. A rank that waits for a
+# slower peer must not keep a core busy that compute threads (its own, or other ranks' on an
+# oversubscribed node) need; the kernel keeps receiving into socket buffers meanwhile.
+DEF SPIN_NS = 50000
+DEF SLEEP_NS = 20000
 
 cdef enum Algorithm:
     ALG_MPI = 0
@@ -193,6 +198,21 @@ cdef inline int _mod(int a, int p) noexcept nogil:
     return ((a % p) + p) % p
 
 
+cdef int _wait_all(int count, MPI_Request* requests) noexcept nogil:
+    # MPI_Waitall that stops spinning after SPIN_NS (see above).
+    cdef int flag = 0, err
+    cdef timespec start, now, pause
+    pause.tv_sec, pause.tv_nsec = 0, SLEEP_NS
+    clock_gettime(CLOCK_MONOTONIC, &start)
+    while True:
+        err = MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE)
+        if err != MPI_SUCCESS or flag:
+            return err
+        clock_gettime(CLOCK_MONOTONIC, &now)
+        if (now.tv_sec - start.tv_sec) * 1000000000 + (now.tv_nsec - start.tv_nsec) > SPIN_NS:
+            nanosleep(&pause, NULL)
+
+
 cdef int _sendrecv(MPI_Comm comm, MPI_Datatype dtype, size_t item,
                    const char* send, Py_ssize_t nsend, int dest,
                    char* recv, Py_ssize_t nrecv, int source) noexcept nogil:
@@ -200,13 +220,20 @@ cdef int _sendrecv(MPI_Comm comm, MPI_Datatype dtype, size_t item,
     # partners loop max(pieces sent, pieces received) times, which is the same on both ends.
     cdef Py_ssize_t done_s = 0, done_r = 0
     cdef int ps, pr, err
+    cdef MPI_Request requests[2]
     while done_s < nsend or done_r < nrecv:
         ps = <int> (min(nsend - done_s, <Py_ssize_t> MAX_PART))
         pr = <int> (min(nrecv - done_r, <Py_ssize_t> MAX_PART))
-        err = MPI_Sendrecv(<void*> (send + done_s * item), ps, dtype,
-                           dest if ps > 0 else MPI_PROC_NULL, TAG,
-                           recv + done_r * item, pr, dtype,
-                           source if pr > 0 else MPI_PROC_NULL, TAG, comm, MPI_STATUS_IGNORE)
+        err = MPI_Irecv(recv + done_r * item, pr, dtype, source if pr > 0 else MPI_PROC_NULL,
+                        TAG, comm, &requests[0])
+        if err != MPI_SUCCESS:
+            return err
+        err = MPI_Isend(<void*> (send + done_s * item), ps, dtype,
+                        dest if ps > 0 else MPI_PROC_NULL, TAG, comm, &requests[1])
+        if err != MPI_SUCCESS:
+            _wait_all(1, requests)
+            return err
+        err = _wait_all(2, requests)
         if err != MPI_SUCCESS:
             return err
         done_s += ps
@@ -248,7 +275,7 @@ cdef int _send_and_sum(Ctx* c, const char* send, Py_ssize_t nsend, int dest,
                 nseg_s = i
                 break
     for i in range(nseg_r):
-        err2 = MPI_Wait(&requests[i], MPI_STATUS_IGNORE)
+        err2 = _wait_all(1, &requests[i])
         if err2 != MPI_SUCCESS:
             err = err2
         if err == MPI_SUCCESS:
@@ -260,7 +287,7 @@ cdef int _send_and_sum(Ctx* c, const char* send, Py_ssize_t nsend, int dest,
                 _accumulate_wire(c.wire, <float*> dst + i * SEGMENT,
                                  <const uint16_t*> c.scratch + i * SEGMENT, length,
                                  <float> factor)
-    err2 = MPI_Waitall(<int> nseg_s, requests + nseg_r, MPI_STATUSES_IGNORE)
+    err2 = _wait_all(<int> nseg_s, requests + nseg_r)
     free(requests)
     return err if err != MPI_SUCCESS else err2
 
@@ -547,8 +574,11 @@ cdef class Collective:
 
     cdef int _node_barrier(self) noexcept nogil:
         # Order the node's plain loads/stores to the shared window around the barrier.
+        cdef MPI_Request request
         MPI_Win_sync(self.window)
-        cdef int err = MPI_Barrier(self.local)
+        cdef int err = MPI_Ibarrier(self.local, &request)
+        if err == MPI_SUCCESS:
+            err = _wait_all(1, &request)
         MPI_Win_sync(self.window)
         return err
 
