@@ -93,7 +93,22 @@ def machine_info():
         info["torch"] = torch.__version__
     except ImportError:
         info["torch"] = None
+    info["mpi"] = _mpi_library()
     return info
+
+
+def _mpi_library():
+    """The MPI library mpi4py loads, read without initializing MPI in this process (the
+    harness launches ranks with mpiexec; MPI_Get_library_version may precede MPI_Init)."""
+    try:
+        import mpi4py
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+        return {"mpi4py": mpi4py.__version__,
+                "library": MPI.Get_library_version().splitlines()[0].strip().rstrip("\x00")}
+    except ImportError:
+        return None
 
 
 def warn_if_blas_pinned():

@@ -17,10 +17,13 @@ def _block(result):
     m = result["machine"]
     blas = ", ".join(f"{b['internal_api']} {b['version']} ({b['architecture']})"
                      for b in m.get("blas", []))
-    return (f"{result['table']}\n\n"
+    mpi = f", MPI {m['mpi']['library']}" if m.get("mpi") else ""
+    plot = result.get("plot")
+    picture = f"\n\n![{result['suite']}](../perf/results/{os.path.basename(plot)})" if plot else ""
+    return (f"{result['table']}{picture}\n\n"
             f"<sub>Measured {result['time']} at commit {m.get('git_commit')}: {m['cpu']}, "
             f"{m['cores_available']} cores, numpy {m['numpy']}, torch {m.get('torch')}, "
-            f"BLAS {blas}. Raw samples: perf/results/{result['suite']}.json.</sub>")
+            f"BLAS {blas}{mpi}. Raw samples: perf/results/{result['suite']}.json.</sub>")
 
 
 def refresh(doc_path=DOC):

@@ -19,13 +19,14 @@
 an emulated cluster.
 """
 import json
+import os
 import statistics
 import sys
 import tempfile
 
 from perf import allreduce as allreduce_suite
 from perf import dist as dist_suite
-from perf import harness
+from perf import harness, plots
 
 from . import bandwidth, cluster, network
 
@@ -136,6 +137,34 @@ def training(quick, tune_dir):
     return records
 
 
+TRACE_STEPS = 3
+
+
+def trace_run(quick, tune_dir):
+    """One dynamic-sync AlexNet run on 4 hosts at 10 Gbit/s with --trace: the last few
+    steps' spans saved to perf/results/trace_alexnet_cluster.json and drawn as a timeline."""
+    with cluster.Cluster(hosts=4, ranks_per_host=1, rate="10gbit") as c, \
+            tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        argv = [sys.executable, "-m", "dynar.train", "--model", "alexnet", "--variant", "cifar",
+                "--dropout", "0", "--dataset", "synthetic", "--batch-size", "128",
+                "--max-steps", "40", "--threads", "1", "--eval-every", "0", "--trace", trace]
+        proc = _Launcher(c, 4, 1, "10gbit", tune_dir).run(argv)
+        if proc.returncode != 0:
+            raise RuntimeError(f"traced run failed: {proc.stderr[-2000:]}")
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    starts = sorted(e["ts"] for e in events if e.get("name") == "forward" and e["pid"] == 0)
+    keep = [e for e in events if e.get("ph") == "M" or e["ts"] >= starts[-TRACE_STEPS]]
+    path = os.path.join(harness.RESULTS_DIR, "trace_alexnet_cluster.json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": keep, "displayTimeUnit": "ms"}, f)
+    png = plots.timeline("trace_alexnet_cluster", keep,
+                         f"alexnet-cifar, 4 emulated hosts x 1 rank @ 10 Gbit/s, --sync dynamic:"
+                         f" last {TRACE_STEPS} of 40 steps")
+    return path, png
+
+
 def run(quick=False):
     ok, reason = network.probe()
     if not ok:
@@ -176,10 +205,13 @@ def run(quick=False):
         training_records = training(quick, tune_dir)
         tables.append(dist_suite.table(training_records))
         print(tables[-1], flush=True)
+        trace, timeline = trace_run(quick, tune_dir)
+        print(f"trace of one run: {trace}" + (f", drawn in {timeline}" if timeline else ""))
     png = allreduce_suite.plot(algorithm_records, "cluster_allreduce")
     records += algorithm_records + training_records
     path = harness.write_result("cluster", {"quick": quick, "tolerance": TOLERANCE,
                                             "records": records, "plot": png,
+                                            "trace": trace, "timeline": timeline,
                                             "table": "\n\n".join(tables)})
     print(f"\nwrote {path}")
     failed = [r for r in records if r.get("ok") is False]
