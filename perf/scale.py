@@ -197,11 +197,14 @@ def tianhe3_link(gamma):
     return costmodel.LinkModel(alpha=TIANHE3_ALPHA_S, beta=8 / TIANHE3_BIT_S, gamma=gamma)
 
 
-def loopback_samples(records):
-    """fit_link samples from allreduce-suite records (network "loopback", FIT_METHODS)."""
+def loopback_samples(records, network="loopback"):
+    """fit_link samples from allreduce-suite records of one network ("loopback", or the
+    cluster suite's "emulated Hx1 @ RATE" runs when network is e.g. "@ 10gbit")."""
     return [(FIT_METHODS[r["method"]], r["ranks"], 1, r["bytes"], r["time_s"])
             for r in records
-            if r.get("network") == "loopback" and r.get("method") in FIT_METHODS
+            if (r.get("network") == network or (network != "loopback" and str(
+                r.get("network", "")).startswith("emulated") and r["network"].endswith(network)))
+            and r.get("method") in FIT_METHODS
             and r.get("ranks", 1) > 1 and r.get("time_s", 0) > 0]
 
 
@@ -361,8 +364,8 @@ def measured_training_records():
     found = []
     for path in sorted(glob.glob(os.path.join(harness.RESULTS_DIR, "cluster*.json"))):
         for r in _records(_load(os.path.basename(path))):
-            if not all(k in r for k in ("model", "hosts", "sync", "step_s")):
-                continue
+            if not all(r.get(k) for k in ("model", "hosts", "sync", "step_s")):
+                continue     # (PyTorch DDP's records have no sync mode to predict)
             r = dict(r)
             if "rate_gbit" not in r:
                 if "configured_bit_s" in r:
@@ -435,15 +438,30 @@ def run(quick=False):
     loop_link = None
     try:
         loop_link = costmodel.fit_link(samples)
+        if not loop_link.beta > 0:
+            # Shared memory moves bytes at memory speed: the fit may put it all in γ, which
+            # would predict unbounded network bandwidth at scale.
+            raise ValueError(f"the fit found no per-byte wire cost ({loop_link})")
         links["loopback-fit"] = (loop_link, {"source": f"fit_link over {len(samples)} "
                                                        f"loopback allreduce-suite records"})
     except ValueError as exc:
+        loop_link = None
         notes.append(f"loopback-fit: skipped ({exc}; run python -m perf allreduce)")
     probes = cluster_probes()
-    emu, emu_info = emulated_link(probes, gamma, VALIDATION_GBIT,
-                                  fallback_alpha=loop_link.alpha if loop_link else 5e-6)
+    emulated = loopback_samples(_records(_load("cluster.json")), f"@ {VALIDATION_GBIT:g}gbit")
+    try:
+        # Preferred: dynar's own algorithms measured on the emulated hosts (the cluster
+        # suite's allreduce part), fitted like the loopback link.
+        emu = costmodel.fit_link(emulated)
+        if not emu.beta > 0:
+            raise ValueError("no per-byte wire cost")
+        emu_info = {"source": f"fit_link over {len(emulated)} emulated-cluster allreduce "
+                              f"records at {VALIDATION_GBIT:g} Gbit/s"}
+    except ValueError:
+        emu, emu_info = emulated_link(probes, gamma, VALIDATION_GBIT,
+                                      fallback_alpha=loop_link.alpha if loop_link else 5e-6)
     links["emulated-fit"] = (emu, emu_info)
-    if not probes:
+    if not probes and not emulated:
         notes.append("emulated-fit: perf/results/cluster.json has no MPI_Allreduce probes; "
                      "using the configured rate (run python -m perf cluster)")
     links[PRIMARY_LINK] = (tianhe3_link(gamma), {"source": "α = 1.5 µs, β = 1/(100 Gbit/s), "

@@ -11,8 +11,9 @@
 (c) dynar's allreduce algorithms against MPI_Allreduce on 2, 3 and 4 hosts x 1 rank at
     1 and 10 Gbit/s (perf/allreduce.py's worker, launched across the emulated hosts), with
     the fraction of the ring lower bound each reaches;
-(d) data-parallel training, 4 hosts x 1 rank at 10 and 1 Gbit/s: dynar's sync modes against
-    PyTorch DDP (gloo) launched the same way (perf/dist.py's comparison). The four ranks
+(d) data-parallel training, 4 hosts x 1 rank at 10 and 1 Gbit/s (and AlexNet on 2 hosts at
+    10 Gbit/s): dynar's sync modes against PyTorch DDP (gloo) launched the same way
+    (perf/dist.py's comparison). The four ranks
     share this machine's 2 cores, so compute runs ~2x slower than on a real cluster; both
     frameworks pay that alike.
 `allreduce_on_cluster` and `cluster.run_on_cluster` are the hooks other suites use to run on
@@ -124,14 +125,18 @@ def training(quick, tune_dir):
     """(d): perf.dist's comparison on 4 emulated hosts, with the fields the scale
     simulator's validation reads (hosts, ranks_per_host, rate_gbit)."""
     records = []
-    models = dist_suite.QUICK_MODELS[1:] if quick else dist_suite.MODELS
-    for rate in TRAINING_RATES[:1] if quick else TRAINING_RATES:
-        with cluster.Cluster(hosts=4, ranks_per_host=1, rate=rate) as c:
-            launcher = _Launcher(c, 4, 1, rate, tune_dir)
-            for rec in dist_suite.compare(launcher, models, rounds=1,
+    alexnet = [m for m in dist_suite.MODELS if m[0] == "alexnet"]
+    models = alexnet if quick else dist_suite.MODELS
+    # 4 hosts at each rate; 2 hosts (AlexNet only) to validate the scale simulator at two sizes.
+    runs = [(4, rate, models) for rate in (TRAINING_RATES[:1] if quick else TRAINING_RATES)]
+    runs.append((2, TRAINING_RATES[0], alexnet))
+    for hosts, rate, chosen in runs:
+        with cluster.Cluster(hosts=hosts, ranks_per_host=1, rate=rate) as c:
+            launcher = _Launcher(c, hosts, 1, rate, tune_dir)
+            for rec in dist_suite.compare(launcher, chosen, rounds=1,
                                           steps_scale=0.5 if quick else 1.0,
                                           single_rank=False):
-                rec.update(case="training", hosts=4, ranks_per_host=1,
+                rec.update(case="training", hosts=hosts, ranks_per_host=1,
                            rate_gbit=c.rate_bits / 1e9)
                 records.append(rec)
     return records
