@@ -14,7 +14,7 @@ are summed in row order afterwards, so the loss is bitwise the same for every th
 from cython cimport floating
 from cython.parallel cimport prange
 from libc.math cimport exp, log
-from libc.stdlib cimport malloc, free
+from _scratch cimport Scratch, scratch_give, scratch_take
 cimport numpy as cnp
 
 from _parallel cimport threads_for
@@ -22,6 +22,8 @@ from _validate cimport (check_real, F32, FloatKind, check_array, check_disjoint,
                         data, float_kind)
 
 cnp.import_array()
+
+cdef Scratch _row_losses   # per-row losses of the forward pass, reused across calls
 
 
 cdef double _forward(floating* probs, double* row_loss, const floating* logits,
@@ -96,9 +98,8 @@ def softmax_cross_entropy_forward(probs, logits, labels):
     probsa = check_float("probs", probs, 2, kind, output=True)
     check_shape("probs", probsa, (N, K))
     check_disjoint("probs", probsa, "logits", logitsa)
-    cdef double* row_loss = <double*> malloc(N * sizeof(double))
-    if row_loss == NULL:
-        raise MemoryError(f"softmax_cross_entropy_forward: cannot allocate {N} row losses")
+    cdef bint private
+    cdef double* row_loss = <double*> scratch_take(&_row_losses, N * sizeof(double), &private)
     cdef void* pp = data(probsa)
     cdef void* lp = data(logitsa)
     cdef const cnp.int64_t* lab = <const cnp.int64_t*> data(la)
@@ -111,7 +112,7 @@ def softmax_cross_entropy_forward(probs, logits, labels):
             else:
                 loss = _forward(<double*> pp, row_loss, <double*> lp, lab, n, k)
     finally:
-        free(row_loss)
+        scratch_give(&_row_losses, row_loss, private)
     return loss
 
 
