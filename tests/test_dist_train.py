@@ -129,7 +129,8 @@ def test_fp16_compressed_dynamic_sync_trains_lenet_to_96_percent_with_a_trace(tm
     trials = [p for p in plans if p["phase"] == "trial"]
     assert {p["candidate"] for p in trials} >= {"planned", "fused"}, trials
     chosen = [p for p in plans if p["phase"] == "chosen"]
-    assert chosen and chosen[0]["measured_sync_s"] == min(p["measured_sync_s"] for p in trials)
+    first_round = [p for p in trials if p["step"] <= chosen[0]["step"]]
+    assert chosen[0]["measured_sync_s"] == min(p["measured_sync_s"] for p in first_round)
     assert all(p["algorithms"] == {"ring": p["buckets"]} for p in trials + chosen), plans
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
