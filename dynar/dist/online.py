@@ -15,7 +15,8 @@ same step (collective sequences can never differ):
 2. trial:   each candidate plan runs TRIAL_STEPS steps; its figure is the median of
             backward span + exposed communication (the part of a step sync can change);
 3. run:     the fastest candidate; every CHECK_STEPS steps its figure is compared with the
-            one it won with, and a drift beyond DRIFT starts a new trial from fresh timings.
+            one it won with, and two windows in a row drifting beyond DRIFT start a new
+            trial from fresh timings.
 
 Every decision is logged as a JSON event "plan" (phase trial/chosen) with the predicted and
 the measured figure.
@@ -56,6 +57,7 @@ class OnlinePlanner:
         self.plan = None           # the plan running now (None: the default)
         self.candidate = None      # its name: planned, fused or buckets
         self._baseline = None
+        self._drifted = 0          # consecutive windows off the baseline
         self.step = 0
 
     def _cheapest(self, nbytes):
@@ -139,8 +141,12 @@ class OnlinePlanner:
             self.candidate, self.plan, self._baseline, self._skip = name, plan, best, 1
             self._event("chosen", name, plan, best, reason=self._reason)
             return plan.buckets
-        if planner.should_replan(self._baseline, measured, DRIFT):
+        # Two drifted windows in a row: one slow window is noise (another job, a page-cache
+        # flush), not a change in the model's timings.
+        self._drifted = self._drifted + 1 if planner.should_replan(self._baseline, measured,
+                                                                    DRIFT) else 0
+        if self._drifted >= 2:
             reason = f"drift: {1e3 * measured:.2f} ms against {1e3 * self._baseline:.2f} ms"
-            self._baseline = None
+            self._baseline, self._drifted = None, 0
             return self._start_trials(reason)
         return None
