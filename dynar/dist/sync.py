@@ -181,6 +181,8 @@ class GradientSynchronizer:
         self._ready.append(now)
         if self.world == 1 or self.mode == "fused":
             return
+        if self._thread is None and self.compress and self.mode != "per-layer":
+            return   # MPI_Iallreduce has no 16-bit wire: reduce in finish() instead
         while self._next < len(self.buckets) and self.buckets[self._next][1] <= stop:
             index = self._next
             self._next += 1
