@@ -36,13 +36,15 @@ def test_buckets_progressed_by_test_calls_instead_of_a_thread(single_rank, tmp_p
                                env={"DYNAR_SYNC_PROGRESS": "calls"})
 
 
-@pytest.mark.parametrize("wire", ["fp16", "bf16"])
-def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path, wire):
+@pytest.mark.parametrize("wire, progress", [("fp16", "thread"), ("bf16", "thread"),
+                                            ("fp16", "calls")])
+def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path, wire,
+                                                           progress):
     # 16-bit gradients: each step's update is off by the wire format's rounding (2^-11 for
     # fp16, 2^-8 for bf16, relative), far above float32 summation order.
     atol = 2e-4 if wire == "fp16" else 2e-3
     _check_against_single_rank(single_rank, tmp_path, "alexnet", 3, [f"dynamic:{wire}"],
-                               atol=atol, rtol=1e-2)
+                               env={"DYNAR_SYNC_PROGRESS": progress}, atol=atol, rtol=1e-2)
 
 
 def _check_against_single_rank(single_rank, tmp_path, model, ranks, modes, env=None,
