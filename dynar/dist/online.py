@@ -5,8 +5,9 @@ what communicating *during* backward does to backward itself: on a node whose co
 compute, the communication thread's copies and sums take cycles from the compute threads
 (on this 2-core machine AlexNet's backward runs ~30% slower while buckets reduce beside it).
 So the plan the model prefers is not trusted blindly: it is tried against the two baselines
-it must beat (everything after backward, and DDP-style 25 MB buckets, each with the cheapest
-algorithm for its size), a few steps each, and the fastest *measured* wins.
+it must beat (everything after backward, and DDP-style 25 MB buckets), each once with the
+model's cheapest algorithm per bucket and once with the MPI library's own, a few steps
+each, and the fastest *measured* wins.
 
 The phases, all decided from figures maxed over ranks so every rank switches plans at the
 same step (collective sequences can never differ):
@@ -64,16 +65,22 @@ class OnlinePlanner:
         return min(self._algorithms, key=lambda a: float(self._cost.time(a, int(nbytes))))
 
     def _candidates(self, ready):
-        """The model's plan and the two baselines, each with its cheapest algorithms."""
+        """The model's plan, and the two baselines both with the model's cheapest algorithm
+        per bucket and with the MPI library's own (the exact static modes): the model's
+        prices are fitted, the library's algorithm is measured here, step by step."""
         cost, sizes = self._cost, self.sizes
         candidates = {"planned": planner.plan(sizes, ready, cost, self._algorithms)}
+        pickers = {"": self._cheapest}
+        if "mpi" in self._algorithms:
+            pickers[" (mpi)"] = lambda nbytes: "mpi"
         for mode in ("fused", "buckets"):
             runs = planner.static_buckets(sizes, mode, self.bucket_bytes)
-            buckets = tuple(planner.Bucket(b.first, b.stop,
-                                           self._cheapest(sizes[b.first:b.stop].sum()))
-                            for b in runs)
-            finish, exposed = planner.simulate(buckets, sizes, ready, cost)
-            candidates[mode] = planner.Plan(buckets, float(finish[-1]), exposed)
+            for suffix, pick in pickers.items():
+                buckets = tuple(planner.Bucket(b.first, b.stop,
+                                               pick(sizes[b.first:b.stop].sum()))
+                                for b in runs)
+                finish, exposed = planner.simulate(buckets, sizes, ready, cost)
+                candidates[mode + suffix] = planner.Plan(buckets, float(finish[-1]), exposed)
         unique = {}
         for name, plan in candidates.items():     # the same buckets need one trial only
             unique.setdefault(plan.buckets, (name, plan))
