@@ -70,7 +70,7 @@ def _dynar(launcher, name, variant, mode, steps):
         log = os.path.join(tmp, "log.jsonl")
         # Dynamic sync explores first (measure, then one trial per candidate plan): give it
         # the steps for that on top of the measured ones.
-        explore = 40 if mode == "dynamic" else 0
+        explore = 36 if mode == "dynamic" else 0
         ranks = launcher.ranks if launcher else 1
         argv = [sys.executable, "-m", "dynar.train", "--model", name, "--dataset", "synthetic",
                 "--batch-size", str(PER_RANK * ranks),

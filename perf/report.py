@@ -35,7 +35,9 @@ def refresh(doc_path=DOC):
             continue
         with open(os.path.join(harness.RESULTS_DIR, name)) as f:
             result = json.load(f)
-        suite = result["suite"]
+        suite = result.get("suite")
+        if suite is None:        # not a suite's result (e.g. a saved trace)
+            continue
         pattern = re.compile(rf"(<!-- perf:{suite} -->\n)(?:.*?\n)?(<!-- /perf:{suite} -->)", re.S)
         if pattern.search(text):
             text = pattern.sub(lambda mm: mm.group(1) + _block(result) + "\n" + mm.group(2), text)

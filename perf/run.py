@@ -8,6 +8,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 SUITES = ["kernels", "models", "allreduce", "dist", "cluster", "scale"]
 
@@ -24,8 +25,9 @@ def main(argv=None):
     harness.warn_if_blas_pinned()
     for suite in SUITES + ["report"] if args.suite == "all" else [args.suite]:
         print(f"## {suite}\n", flush=True)
+        start = time.monotonic()
         importlib.import_module(f"perf.{suite}").run(quick=args.quick)
-        print()
+        print(f"\n({suite}: {time.monotonic() - start:.0f} s)\n", flush=True)
 
 
 if __name__ == "__main__":

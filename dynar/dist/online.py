@@ -29,7 +29,7 @@ import numpy as np
 from . import planner
 
 MEASURE_STEPS = 6      # the first is dropped: it pays for buffer allocation
-TRIAL_STEPS = 5
+TRIAL_STEPS = 4
 CHECK_STEPS = 20
 DRIFT = 0.2
 
