@@ -93,7 +93,13 @@ def measure(launch, ranks, sizes, repeats, link_bytes_per_s=None, label="loopbac
     return records
 
 
-def table(records):
+# The sizes docs/PERFORMANCE.md shows (the JSON and the printed table have every size).
+DOC_SIZES = {4, 4 << 10, 256 << 10, 4 << 20, 64 << 20, 256 << 20}
+
+
+def table(records, sizes=None):
+    """Markdown table of the records (only message sizes in `sizes`, if given)."""
+    records = [r for r in records if sizes is None or r["bytes"] in sizes]
     rows = [[r["network"], r["ranks"], f"{r['bytes']:,}", r["method"],
              f"{1e3 * r['time_s']:.3f}", f"{r['bus_gbytes_per_s']:.2f}",
              f"{100 * r['fraction_of_bound']:.0f}%", f"{r['vs_mpi']:.2f}x"] for r in records]
@@ -120,10 +126,10 @@ def run(quick=False):
             _mpiexec(p) + argv, capture_output=True, text=True, cwd=ROOT, env=_env(),
             timeout=1800)
         records += measure(launch, p, sizes, repeats)
-    text = table(records)
-    print(text)
+    print(table(records))
     png = plot(records, "allreduce")
-    path = harness.write_result("allreduce", {"runs": records, "table": text, "plot": png})
+    path = harness.write_result("allreduce", {"runs": records, "table": table(records, DOC_SIZES),
+                                              "plot": png})
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return records
 

@@ -205,8 +205,8 @@ def run(quick=False):
         print(table + "\n", flush=True)
     with tempfile.TemporaryDirectory() as tune_dir:
         algorithm_records = algorithms(quick, tune_dir)
-        tables.append(allreduce_suite.table(algorithm_records))
-        print(tables[-1] + "\n", flush=True)
+        print(allreduce_suite.table(algorithm_records) + "\n", flush=True)
+        tables.append(allreduce_suite.table(algorithm_records, allreduce_suite.DOC_SIZES))
         training_records = training(quick, tune_dir)
         tables.append(dist_suite.table(training_records))
         print(tables[-1], flush=True)
