@@ -259,10 +259,21 @@ def compute_slowdown(total_ranks, cores):
     return max(1.0, total_ranks / cores)
 
 
+def _serial_exposed(plan, sizes, cost):
+    """Exposed time of `plan` when nothing overlaps: every bucket's full cost."""
+    return float(sum(cost.time(b.algorithm, int(sizes[b.first:b.stop].sum()))
+                     for b in plan.buckets))
+
+
 def predict_step(prof, link, nodes, mode, ranks_per_node=1, slowdown=1.0,
-                 bucket_bytes=BUCKET_BYTES):
+                 bucket_bytes=BUCKET_BYTES, overlap=True):
     """Predicted {step_s, exposed_s, buckets, algorithms} of one sync mode on `nodes` nodes ×
-    ranks_per_node ranks, compute (forward, backward, update, ready times) × slowdown."""
+    ranks_per_node ranks, compute (forward, backward, update, ready times) × slowdown.
+
+    overlap=False models nodes with no core to spare (every core computes, and the
+    transfers' copies, sums and TCP work need cores too): communication beside backward
+    slows backward by as much as it hides, so every plan exposes all of its communication,
+    and dynamic sync's trials (dist/online.py) keep the candidate with the least of it."""
     if mode not in SYNC_MODES:
         raise ValueError(f"unknown sync mode {mode!r}; choose one of {', '.join(SYNC_MODES)}")
     ranks = nodes * ranks_per_node
@@ -275,6 +286,16 @@ def predict_step(prof, link, nodes, mode, ranks_per_node=1, slowdown=1.0,
         plan = planner.fixed_plan(sizes, ready, cost, mode, bucket_bytes, "mpi")
     compute = (prof["forward_s"] + prof["backward_s"] + prof["update_s"]) * slowdown
     exposed = plan.predicted_exposed_s
+    if not overlap:
+        exposed = _serial_exposed(plan, sizes, cost)
+        if mode == "dynamic":
+            for static in ("fused", "buckets"):
+                runs = planner.static_buckets(sizes, static, bucket_bytes)
+                cheapest = tuple(planner.Bucket(b.first, b.stop, min(
+                    cost.algorithms, key=lambda a: float(cost.time(
+                        a, int(sizes[b.first:b.stop].sum()))))) for b in runs)
+                exposed = min(exposed, _serial_exposed(planner.Plan(cheapest, 0.0, 0.0),
+                                                       sizes, cost))
     return {"step_s": compute + exposed, "exposed_s": exposed, "buckets": len(plan.buckets),
             "algorithms": sorted({b.algorithm for b in plan.buckets})}
 
@@ -305,7 +326,10 @@ def predict_run(run, link, profiles, cores=None, bucket_bytes=BUCKET_BYTES):
     slowdown = compute_slowdown(run["hosts"] * rph, cores)
     # Reductions run on the same oversubscribed cores as the compute.
     slowed = costmodel.LinkModel(the_link.alpha, the_link.beta, the_link.gamma * slowdown)
-    got = predict_step(prof, slowed, run["hosts"], run["sync"], rph, slowdown, bucket_bytes)
+    # All emulated hosts share this machine's cores: with a rank per core or more, nothing
+    # is left to overlap communication with (predict_step's overlap=False).
+    got = predict_step(prof, slowed, run["hosts"], run["sync"], rph, slowdown, bucket_bytes,
+                       overlap=run["hosts"] * rph < cores)
     return {"model": run["model"], "hosts": run["hosts"], "ranks_per_host": rph,
             "rate_gbit": run["rate_gbit"], "sync": run["sync"], "slowdown": slowdown,
             "predicted_step_s": got["step_s"], "predicted_exposed_s": got["exposed_s"]}

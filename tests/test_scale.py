@@ -175,3 +175,20 @@ def test_measured_training_records_are_read_from_cluster_results(tmp_path, monke
     got = scale.measured_training_records()
     assert [r["rate_gbit"] for r in got] == [10, 1, 25]    # the rate-less record is dropped
     assert [r["case"] for r in scale.cluster_probes()] == ["allreduce"]
+
+
+def test_without_spare_cores_every_plan_exposes_all_its_communication():
+    prof = synthetic_profile(layers=8, mb_per_layer=4.0)
+    p = 4
+    total = 32 * 2 ** 20
+    one_ring = 2 * (p - 1) * LINK.alpha + (2 * (p - 1) / p * LINK.beta
+                                           + (p - 1) / p * LINK.gamma) * total
+    fused = scale.predict_step(prof, LINK, p, "fused", overlap=False)["exposed_s"]
+    buckets = scale.predict_step(prof, LINK, p, "buckets", overlap=False)["exposed_s"]
+    assert fused == pytest.approx(one_ring)
+    # Overlap would hide most of the bucketed transfer; without it, two buckets cost two
+    # start-ups more than one.
+    assert buckets > fused
+    assert scale.predict_step(prof, LINK, p, "buckets")["exposed_s"] < buckets
+    # Dynamic sync keeps the cheapest candidate it tries: never more than fused.
+    assert scale.predict_step(prof, LINK, p, "dynamic", overlap=False)["exposed_s"] <= fused
