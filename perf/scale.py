@@ -472,18 +472,24 @@ def run(quick=False):
         loop_link = None
         notes.append(f"loopback-fit: skipped ({exc}; run python -m perf allreduce)")
     probes = cluster_probes()
-    emulated = loopback_samples(_records(_load("cluster.json")), f"@ {VALIDATION_GBIT:g}gbit")
-    try:
-        # Preferred: dynar's own algorithms measured on the emulated hosts (the cluster
-        # suite's allreduce part), fitted like the loopback link.
-        emu = costmodel.fit_link(emulated)
-        if not emu.beta > 0:
-            raise ValueError("no per-byte wire cost")
-        emu_info = {"source": f"fit_link over {len(emulated)} emulated-cluster allreduce "
-                              f"records at {VALIDATION_GBIT:g} Gbit/s"}
-    except ValueError:
-        emu, emu_info = emulated_link(probes, gamma, VALIDATION_GBIT,
-                                      fallback_alpha=loop_link.alpha if loop_link else 5e-6)
+    cluster_records = _records(_load("cluster.json"))
+
+    def emulated_fit(rate_gbit):
+        # Preferred: dynar's own algorithms measured on the emulated hosts at this rate (the
+        # cluster suite's allreduce part), fitted like the loopback link; else the probes.
+        samples = loopback_samples(cluster_records, f"@ {rate_gbit:g}gbit")
+        try:
+            fitted = costmodel.fit_link(samples)
+            if not fitted.beta > 0:
+                raise ValueError("no per-byte wire cost")
+            return fitted, {"source": f"fit_link over {len(samples)} emulated-cluster "
+                                      f"allreduce records at {rate_gbit:g} Gbit/s"}
+        except ValueError:
+            return emulated_link(probes, gamma, rate_gbit,
+                                 fallback_alpha=loop_link.alpha if loop_link else 5e-6)
+
+    emulated = loopback_samples(cluster_records, f"@ {VALIDATION_GBIT:g}gbit")
+    emu, emu_info = emulated_fit(VALIDATION_GBIT)
     links["emulated-fit"] = (emu, emu_info)
     if not probes and not emulated:
         notes.append("emulated-fit: perf/results/cluster.json has no MPI_Allreduce probes; "
@@ -525,7 +531,7 @@ def run(quick=False):
     measured = [r for r in measured_training_records() if r["model"] == VALIDATION_MODEL]
     val_links = {VALIDATION_GBIT: emu}
     for rate in {r["rate_gbit"] for r in measured} - {VALIDATION_GBIT}:
-        val_links[rate] = emulated_link(probes, gamma, rate, emu.alpha)[0]
+        val_links[rate] = emulated_fit(rate)[0]
     if measured:
         val_rows = validate(measured, val_links, {VALIDATION_MODEL: val_prof}, cores)
         status = (f"validation: {len(val_rows)} emulated-cluster runs; "
