@@ -67,7 +67,7 @@ import time
 
 import numpy as np
 
-from dynar.dist import costmodel, planner
+from dynar.dist import costmodel, online, planner
 
 from . import harness, plots
 
@@ -289,13 +289,9 @@ def predict_step(prof, link, nodes, mode, ranks_per_node=1, slowdown=1.0,
     if not overlap:
         exposed = _serial_exposed(plan, sizes, cost)
         if mode == "dynamic":
-            for static in ("fused", "buckets"):
-                runs = planner.static_buckets(sizes, static, bucket_bytes)
-                cheapest = tuple(planner.Bucket(b.first, b.stop, min(
-                    cost.algorithms, key=lambda a: float(cost.time(
-                        a, int(sizes[b.first:b.stop].sum()))))) for b in runs)
-                exposed = min(exposed, _serial_exposed(planner.Plan(cheapest, 0.0, 0.0),
-                                                       sizes, cost))
+            # What the online trials pick among (dist/online.py): the least communication.
+            exposed = min(_serial_exposed(tried, sizes, cost) for _, tried in online.candidates(
+                sizes, ready, cost, cost.algorithms, bucket_bytes))
     return {"step_s": compute + exposed, "exposed_s": exposed, "buckets": len(plan.buckets),
             "algorithms": sorted({b.algorithm for b in plan.buckets})}
 

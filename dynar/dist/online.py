@@ -34,6 +34,30 @@ CHECK_STEPS = 20
 DRIFT = 0.2
 
 
+def candidates(sizes_bytes, ready_s, cost, algorithms, bucket_bytes):
+    """[(name, Plan)] the trials compare: the planner's plan, and the two baselines (one
+    bucket; buckets of bucket_bytes) both with the cheapest algorithm per bucket and with
+    the MPI library's own (the exact static modes): the model's prices are fitted, the
+    library's algorithm is measured here, step by step. Plans with the same buckets and
+    algorithms appear once."""
+    sizes = np.asarray(sizes_bytes, np.int64)
+    found = {"planned": planner.plan(sizes, ready_s, cost, algorithms)}
+    pickers = {"": lambda nbytes: min(algorithms, key=lambda a: float(cost.time(a, int(nbytes))))}
+    if "mpi" in algorithms:
+        pickers[" (mpi)"] = lambda nbytes: "mpi"
+    for mode in ("fused", "buckets"):
+        runs = planner.static_buckets(sizes, mode, bucket_bytes)
+        for suffix, pick in pickers.items():
+            buckets = tuple(planner.Bucket(b.first, b.stop, pick(sizes[b.first:b.stop].sum()))
+                            for b in runs)
+            finish, exposed = planner.simulate(buckets, sizes, ready_s, cost)
+            found[mode + suffix] = planner.Plan(buckets, float(finish[-1]), exposed)
+    unique = {}
+    for name, plan in found.items():
+        unique.setdefault(plan.buckets, (name, plan))
+    return list(unique.values())
+
+
 class OnlinePlanner:
     """Feeds on one step at a time (observe) and says when the buckets change.
 
@@ -61,30 +85,8 @@ class OnlinePlanner:
         self._drifted = 0          # consecutive windows off the baseline
         self.step = 0
 
-    def _cheapest(self, nbytes):
-        return min(self._algorithms, key=lambda a: float(self._cost.time(a, int(nbytes))))
-
     def _candidates(self, ready):
-        """The model's plan, and the two baselines both with the model's cheapest algorithm
-        per bucket and with the MPI library's own (the exact static modes): the model's
-        prices are fitted, the library's algorithm is measured here, step by step."""
-        cost, sizes = self._cost, self.sizes
-        candidates = {"planned": planner.plan(sizes, ready, cost, self._algorithms)}
-        pickers = {"": self._cheapest}
-        if "mpi" in self._algorithms:
-            pickers[" (mpi)"] = lambda nbytes: "mpi"
-        for mode in ("fused", "buckets"):
-            runs = planner.static_buckets(sizes, mode, self.bucket_bytes)
-            for suffix, pick in pickers.items():
-                buckets = tuple(planner.Bucket(b.first, b.stop,
-                                               pick(sizes[b.first:b.stop].sum()))
-                                for b in runs)
-                finish, exposed = planner.simulate(buckets, sizes, ready, cost)
-                candidates[mode + suffix] = planner.Plan(buckets, float(finish[-1]), exposed)
-        unique = {}
-        for name, plan in candidates.items():     # the same buckets need one trial only
-            unique.setdefault(plan.buckets, (name, plan))
-        return list(unique.values())
+        return candidates(self.sizes, ready, self._cost, self._algorithms, self.bucket_bytes)
 
     def _event(self, phase, name, plan, measured=None, **extra):
         record = {"event": "plan", "phase": phase, "step": self.step, "candidate": name,

@@ -99,6 +99,7 @@ class GradientSynchronizer:
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         self._grads = model.flat_grads
         self._layers = [(name, start, stop) for name, _, start, stop in model.grad_ready_order()]
+        self._layer_at_stop = {stop: name for name, _, stop in self._layers}  # for the trace
         self._sizes = np.array([4 * (stop - start) for _, start, stop in self._layers], np.int64)
         self._on_event = on_event or (lambda record: None)
         self.tracer = tracer
@@ -176,7 +177,7 @@ class GradientSynchronizer:
         now = time.perf_counter()
         if self.tracer is not None:
             previous = self._ready[-1] if self._ready else now
-            name = next((n for n, s, e in self._layers if e == stop), "layer")
+            name = self._layer_at_stop.get(stop, "layer")
             self.tracer.span(f"backward {name}", previous, now, TRAINING)
         self._ready.append(now)
         if self.world == 1 or self.mode == "fused":
