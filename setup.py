@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = {
     "threads": "dynar.kernels.threads",
     "conv": "dynar.kernels.conv",
+    "winograd": "dynar.kernels.winograd",
     "pool": "dynar.kernels.pool",
     "activation": "dynar.kernels.activation",
     "linear": "dynar.kernels.linear",

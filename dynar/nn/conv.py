@@ -1,10 +1,15 @@
-"""Conv2d: im2col/GEMM convolution over NCHW float32, weights OIHW."""
+"""Conv2d over NCHW float32, weights OIHW: im2col/GEMM, or Winograd F(2x2, 3x3) for the 3x3
+stride-1 layers where it is faster."""
 import numpy as np
 
 from ..kernels.conv import conv2d_backward, conv2d_forward, conv2d_output_shape
+from ..kernels.winograd import (winograd_backward, winograd_forward, winograd_preferred,
+                                winograd_supports)
 from . import init
 from .module import Module
 from .parameter import Parameter
+
+ALGORITHMS = ("auto", "gemm", "winograd")
 
 
 def _pair(v):
@@ -26,16 +31,40 @@ class Conv2d(Module):
         self.bias = Parameter(np.empty(out_channels, np.float32)) if bias else None
         init.torch_default_(self.weight.data, None if self.bias is None else self.bias.data,
                             generator)
+        self._algorithm = "auto"
         self._x = self._y = self._dx = None
         self._x_shape = None
+        self._winograd = False
+
+    @property
+    def algorithm(self):
+        """"auto" (Winograd where winograd_preferred says so, else im2col/GEMM), "gemm" or
+        "winograd" (3x3, stride 1 only)."""
+        return self._algorithm
+
+    @algorithm.setter
+    def algorithm(self, value):
+        if value not in ALGORITHMS:
+            raise ValueError(f"Conv2d.algorithm: expected one of {ALGORITHMS}, got {value!r}")
+        if value == "winograd" and not winograd_supports(self.weight.shape, self.stride):
+            raise ValueError(f"Conv2d.algorithm: winograd needs a 3x3 kernel at stride 1, "
+                             f"this layer has {self.kernel_size} at stride {self.stride}")
+        self._algorithm = value
+        self._x_shape = None   # choose again at the next forward
 
     def forward(self, x):
         if x.shape != self._x_shape:
             self._x_shape = x.shape
             self._y = np.empty(conv2d_output_shape(x.shape, self.weight.shape, self.stride,
                                                    self.padding), np.float32)
-        conv2d_forward(self._y, x, self.weight.data,
-                       None if self.bias is None else self.bias.data, self.stride, self.padding)
+            self._winograd = self._algorithm == "winograd" or (
+                self._algorithm == "auto" and winograd_preferred(
+                    x.shape, self.weight.shape, self.stride, self.padding))
+        bias = None if self.bias is None else self.bias.data
+        if self._winograd:
+            winograd_forward(self._y, x, self.weight.data, bias, self.padding)
+        else:
+            conv2d_forward(self._y, x, self.weight.data, bias, self.stride, self.padding)
         self._x = x
         return self._y
 
@@ -43,8 +72,13 @@ class Conv2d(Module):
         dx = None
         if self.input_requires_grad:
             dx = self._dx = self._reuse(self._dx, self._x_shape)
-        conv2d_backward(dx, self.weight.grad, None if self.bias is None else self.bias.grad,
-                        dy, self._x, self.weight.data, self.stride, self.padding)
+        db = None if self.bias is None else self.bias.grad
+        if self._winograd:
+            winograd_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
+                              self.padding)
+        else:
+            conv2d_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
+                            self.stride, self.padding)
         self._grad_ready()
         return dx
 

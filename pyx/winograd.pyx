@@ -1,0 +1,528 @@
+"""3x3 stride-1 convolution by Winograd F(2x2, 3x3): forward, weight/bias gradient, input gradient.
+
+F(2x2, 3x3) (Lavin & Gray, 2016) makes each 2x2 output tile from a 4x4 input tile with 16
+multiplications per (output, input) channel pair instead of 36. Per image the input is cut
+into overlapping 4x4 tiles (stride 2); with U = G w G^T per channel pair and V = B^T d B per
+tile and channel, the products for one of the 16 positions xi of a transformed tile are a
+GEMM over channels, so a chunk of T tiles costs 16 GEMMs instead of one 2.25x larger one:
+    forward:      M[xi] (C_out, T) = U[xi] (C_out, C_in) @ V[xi] (C_in, T)
+                  y tile = A^T M A  (+ bias)
+Backward is the adjoint of the same linear maps, so it needs no flipped-kernel convolution:
+                  dM = A dy A^T                                       per tile
+                  dU[xi] (C_out, C_in) += dM[xi] (C_out, T) @ V[xi]^T  ->  dw += G^T dU G
+                  dV[xi] (C_in, T) = U[xi]^T (C_in, C_out) @ dM[xi]    ->  dx tile += B dV B^T
+
+The transforms only add and halve (exact in binary except for rounding of the adds), so the
+float32 result differs from im2col's by a few ulps of the operands' magnitude.
+
+Parallelism is conv.pyx's: `prange` over groups of images, one BLAS thread per OpenMP thread,
+thread-private tile buffers. Each thread sums its weight gradient in the transformed domain
+(16 C_out C_in floats); the partial sums are added in fixed thread order, transformed back
+and added to dw in parallel over output channels, so a run is deterministic for a given
+thread count. The bias gradient is a separate parallel sum over output channels.
+"""
+from cython cimport floating
+from cython.parallel cimport prange, parallel, threadid
+from libc.string cimport memcpy, memset
+cimport numpy as cnp
+cimport openmp
+
+from _blas cimport gemm
+from _convargs cimport check_conv_backward, check_conv_forward
+from _scratch cimport Scratch, scratch_give, scratch_take
+from _validate cimport F32, FloatKind, check_blas_dim, check_pair, data
+
+cnp.import_array()
+
+cdef Scratch _scratch   # transformed weights, tile buffers and weight-gradient partials
+
+# Tiles per GEMM below which images are batched together, and above which one image is cut
+# into bands of tile rows (so the tile buffers of a large image stay a few MB).
+DEF MIN_TILES = 256
+DEF MAX_TILES = 1024
+
+
+def winograd_supports(w_shape, stride=1):
+    """Whether the Winograd kernels compute conv2d with this weight shape and stride: 3x3
+    kernels at stride 1 (any padding, any image size)."""
+    ws = tuple(w_shape)
+    return (len(ws) == 4 and ws[2] == 3 and ws[3] == 3
+            and check_pair("stride", stride, 1) == (1, 1))
+
+
+# Where Winograd beats im2col/GEMM (`python -m perf kernels`, batch 64): from 16 input
+# channels on output planes of 16x16 and more it is 1.2-1.8x faster forward+backward. On
+# smaller planes a row of tiles is too short for its transforms to vectorize and the GEMMs
+# too narrow, and on a few input channels there is too little to multiply.
+DEF PREFERRED_MIN_CHANNELS = 16
+DEF PREFERRED_MIN_PIXELS = 256
+
+
+def winograd_preferred(x_shape, w_shape, stride=1, padding=0):
+    """Whether a layer should run on the Winograd kernels rather than im2col/GEMM."""
+    if not winograd_supports(w_shape, stride):
+        return False
+    ph, pw = check_pair("padding", padding, 0)
+    xs = tuple(x_shape)
+    pixels = (xs[2] + 2 * ph - 2) * (xs[3] + 2 * pw - 2)
+    return xs[1] >= PREFERRED_MIN_CHANNELS and pixels >= PREFERRED_MIN_PIXELS
+
+
+# ---- 1-D transforms; the 2-D ones apply them down the columns, then along the rows ----
+# B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]   G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
+# A^T = [1 1 1 0; 0 1 -1 -1]
+# Each reads its input at stride si and writes its output at stride so.
+
+cdef inline void _bt(floating* o, const floating* d, int si, int so) noexcept nogil:
+    cdef floating d0 = d[0], d1 = d[si], d2 = d[2 * si], d3 = d[3 * si]
+    o[0] = d0 - d2
+    o[so] = d1 + d2
+    o[2 * so] = d2 - d1
+    o[3 * so] = d1 - d3
+
+
+cdef inline void _b(floating* o, const floating* v, int si, int so) noexcept nogil:
+    cdef floating v0 = v[0], v1 = v[si], v2 = v[2 * si], v3 = v[3 * si]
+    o[0] = v0
+    o[so] = v1 - v2 + v3
+    o[2 * so] = v1 + v2 - v0
+    o[3 * so] = -v3
+
+
+cdef inline void _g(floating* o, const floating* g, int si, int so) noexcept nogil:
+    cdef floating g0 = g[0], g1 = g[si], g2 = g[2 * si]
+    cdef floating even = <floating> 0.5 * (g0 + g2)
+    o[0] = g0
+    o[so] = even + <floating> 0.5 * g1
+    o[2 * so] = even - <floating> 0.5 * g1
+    o[3 * so] = g2
+
+
+cdef inline void _gt(floating* o, const floating* u, int si, int so) noexcept nogil:
+    cdef floating u0 = u[0], u1 = u[si], u2 = u[2 * si], u3 = u[3 * si]
+    cdef floating half_sum = <floating> 0.5 * (u1 + u2)
+    o[0] = u0 + half_sum
+    o[so] = <floating> 0.5 * (u1 - u2)
+    o[2 * so] = half_sum + u3
+
+
+cdef inline void _at(floating* o, const floating* m, int si, int so) noexcept nogil:
+    cdef floating m0 = m[0], m1 = m[si], m2 = m[2 * si], m3 = m[3 * si]
+    o[0] = m0 + m1 + m2
+    o[so] = m1 - m2 - m3
+
+
+cdef inline void _a(floating* o, const floating* v, int si, int so) noexcept nogil:
+    cdef floating v0 = v[0], v1 = v[si]
+    o[0] = v0
+    o[so] = v0 + v1
+    o[2 * so] = v0 - v1
+    o[3 * so] = -v1
+
+
+cdef struct WinoShape:
+    Py_ssize_t N, C, H, W, Co, ph, pw, Ho, Wo
+    Py_ssize_t th, tw   # tile rows and columns per image (2x2 output tiles)
+    Py_ssize_t G        # images per chunk (> 1 only for small images)
+    Py_ssize_t R        # tile rows per chunk when G == 1
+    Py_ssize_t T        # tiles per chunk at most: G * R * tw
+
+
+cdef WinoShape _plan(object xa, object wa, object padding, int* threads) except *:
+    cdef WinoShape s
+    s.N, s.C, s.H, s.W = (<object> xa).shape
+    s.Co = (<object> wa).shape[0]
+    s.ph, s.pw = check_pair("padding", padding, 0)
+    s.Ho = s.H + 2 * s.ph - 2
+    s.Wo = s.W + 2 * s.pw - 2
+    s.th = (s.Ho + 1) // 2
+    s.tw = (s.Wo + 1) // 2
+    threads[0] = openmp.omp_get_max_threads()
+    cdef Py_ssize_t per_image = s.th * s.tw
+    cdef Py_ssize_t per_thread = (s.N + threads[0] - 1) // threads[0]
+    s.G = (MIN_TILES + per_image - 1) // per_image
+    if s.G > per_thread:
+        s.G = per_thread
+    if s.G < 1:
+        s.G = 1
+    s.R = s.th
+    if s.G == 1 and per_image > MAX_TILES:
+        s.R = MAX_TILES // s.tw if s.tw <= MAX_TILES else 1
+        if s.R < 1:
+            s.R = 1
+    s.T = s.G * s.R * s.tw
+    cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
+    if threads[0] > groups:
+        threads[0] = <int> groups
+    check_blas_dim("winograd: C_in", s.C)
+    check_blas_dim("winograd: C_out", s.Co)
+    check_blas_dim("winograd: tiles per GEMM", s.T)
+    return s
+
+
+cdef inline void _transform_weight(floating* u, Py_ssize_t stride,
+                                   const floating* w) noexcept nogil:
+    """u[xi * stride] for the 16 positions xi = G w G^T of one channel pair's w (3, 3)."""
+    cdef floating t[12]
+    cdef floating v[16]
+    cdef int k
+    for k in range(3):
+        _g(t + k, w + k, 3, 3)          # columns: t (4, 3) = G w
+    for k in range(4):
+        _g(v + 4 * k, t + 3 * k, 1, 1)  # rows: v = t G^T
+    for k in range(16):
+        u[k * stride] = v[k]
+
+
+cdef inline void _add_weight_grad(floating* dw, const floating* partials, Py_ssize_t slot,
+                                  Py_ssize_t stride, int threads) noexcept nogil:
+    """dw (3, 3) += G^T du G, du[xi] the sum in thread order of partials[t*slot + xi*stride]."""
+    cdef floating du[16]
+    cdef floating t[12]
+    cdef floating dg[9]
+    cdef floating acc
+    cdef int k, i
+    for k in range(16):
+        acc = 0
+        for i in range(threads):
+            acc = acc + partials[i * slot + k * stride]
+        du[k] = acc
+    for k in range(4):
+        _gt(t + k, du + k, 4, 4)        # columns: t (3, 4) = G^T du
+    for k in range(3):
+        _gt(dg + 3 * k, t + 4 * k, 1, 1)
+    for k in range(9):
+        dw[k] += dg[k]
+
+
+cdef void _transform_weights(floating* u, const floating* w, const WinoShape* s,
+                             int threads) noexcept nogil:
+    """u (16, C_out, C_in) = G w G^T for every channel pair of w (C_out, C_in, 3, 3)."""
+    cdef Py_ssize_t co, c
+    for co in prange(s.Co, schedule="static", num_threads=threads, nogil=True):
+        for c in range(s.C):
+            _transform_weight(u + co * s.C + c, s.Co * s.C, w + (co * s.C + c) * 9)
+
+
+cdef extern from "winograd_rows.h" nogil:
+    void wino_input_row_f(float* v, Py_ssize_t stride, const float* d, Py_ssize_t width,
+                          Py_ssize_t tw, float* t)
+    void wino_input_row_d(double* v, Py_ssize_t stride, const double* d, Py_ssize_t width,
+                          Py_ssize_t tw, double* t)
+    void wino_output_row_f(float* y0, float* y1, const float* m, Py_ssize_t stride,
+                           Py_ssize_t tw, float bias)
+    void wino_output_row_d(double* y0, double* y1, const double* m, Py_ssize_t stride,
+                           Py_ssize_t tw, double bias)
+    void wino_output_grad_row_f(float* dm, Py_ssize_t stride, const float* g0, const float* g1,
+                                Py_ssize_t tw)
+    void wino_output_grad_row_d(double* dm, Py_ssize_t stride, const double* g0,
+                                const double* g1, Py_ssize_t tw)
+    void wino_input_grad_row_f(float* band, Py_ssize_t width, const float* dv,
+                               Py_ssize_t stride, Py_ssize_t tw, float* t)
+    void wino_input_grad_row_d(double* band, Py_ssize_t width, const double* dv,
+                               Py_ssize_t stride, Py_ssize_t tw, double* t)
+
+
+# The tile transforms work on one row of tiles at a time (the row kernels in
+# include/winograd_rows.h). Tiles overlap by two columns, so the 4 input rows a tile row
+# reads go through a zero-padded "band" (band column k is image column k - pw), 2*tw + 2
+# wide: the width the last tile reaches. Per thread: 4 band rows, then the row kernels'
+# scratch, 12 band widths in all.
+
+cdef inline void _band_row(floating* band, const floating* plane, Py_ssize_t r,
+                           const WinoShape* s) noexcept nogil:
+    """band (2*tw + 2) = row r of plane (H, W) shifted right by pw, zero outside the image."""
+    cdef Py_ssize_t width = 2 * s.tw + 2, k, n = s.W
+    if r < 0 or r >= s.H:
+        memset(band, 0, width * sizeof(floating))
+        return
+    if n > width - s.pw:
+        n = width - s.pw
+    memset(band, 0, s.pw * sizeof(floating))
+    memcpy(band + s.pw, plane + r * s.W, n * sizeof(floating))
+    for k in range(s.pw + n, width):
+        band[k] = 0
+
+
+cdef void _input_tiles(floating* v, Py_ssize_t ld, const floating* x, const WinoShape* s,
+                       Py_ssize_t ty0, Py_ssize_t ty1, floating* band) noexcept nogil:
+    """v[xi, c, p] (16, C, ld) = B^T d B for tile rows [ty0, ty1) of one image x (C, H, W);
+    p counts tiles from 0 row by row."""
+    cdef Py_ssize_t width = 2 * s.tw + 2, c, ty, i
+    cdef floating* out
+    for c in range(s.C):
+        out = v + c * ld
+        for ty in range(ty0, ty1):
+            for i in range(4):
+                _band_row(band + i * width, x + c * s.H * s.W, 2 * ty - s.ph + i, s)
+            if floating is float:
+                wino_input_row_f(out, s.C * ld, band, width, s.tw, band + 4 * width)
+            else:
+                wino_input_row_d(out, s.C * ld, band, width, s.tw, band + 4 * width)
+            out += s.tw
+
+
+cdef void _output_tiles(floating* y, const floating* m, Py_ssize_t ld, const floating* b,
+                        const WinoShape* s, Py_ssize_t ty0, Py_ssize_t ty1,
+                        floating* band) noexcept nogil:
+    """y (C_out, Ho, Wo) of one image, tile rows [ty0, ty1) = A^T m A (+ b)."""
+    cdef Py_ssize_t width = 2 * s.tw, co, ty, i
+    cdef const floating* mt
+    cdef floating* y0
+    cdef floating* y1
+    cdef bint direct
+    for co in range(s.Co):
+        mt = m + co * ld
+        for ty in range(ty0, ty1):
+            # Straight into y where both output rows exist in full; else through the band.
+            direct = s.Wo == width and 2 * ty + 1 < s.Ho
+            y0 = y + (co * s.Ho + 2 * ty) * s.Wo if direct else band
+            y1 = y0 + s.Wo if direct else band + width
+            if floating is float:
+                wino_output_row_f(y0, y1, mt, s.Co * ld, s.tw, b[co] if b != NULL else 0)
+            else:
+                wino_output_row_d(y0, y1, mt, s.Co * ld, s.tw, b[co] if b != NULL else 0)
+            if not direct:
+                for i in range(2):
+                    if 2 * ty + i < s.Ho:
+                        memcpy(y + (co * s.Ho + 2 * ty + i) * s.Wo, band + i * width,
+                               s.Wo * sizeof(floating))
+            mt += s.tw
+
+
+cdef void _output_grad_tiles(floating* dm, Py_ssize_t ld, const floating* dy, const WinoShape* s,
+                             Py_ssize_t ty0, Py_ssize_t ty1, floating* band) noexcept nogil:
+    """dm[xi, co, p] (16, C_out, ld) = A g A^T for tile rows [ty0, ty1) of one image's
+    dy (C_out, Ho, Wo); outputs past an odd edge count as zero."""
+    cdef Py_ssize_t width = 2 * s.tw, co, ty, i
+    cdef floating* out
+    cdef const floating* g0
+    cdef const floating* g1
+    for co in range(s.Co):
+        out = dm + co * ld
+        for ty in range(ty0, ty1):
+            if s.Wo == width and 2 * ty + 1 < s.Ho:
+                g0 = dy + (co * s.Ho + 2 * ty) * s.Wo
+                g1 = g0 + s.Wo
+            else:
+                memset(band, 0, 2 * width * sizeof(floating))
+                for i in range(2):
+                    if 2 * ty + i < s.Ho:
+                        memcpy(band + i * width, dy + (co * s.Ho + 2 * ty + i) * s.Wo,
+                               s.Wo * sizeof(floating))
+                g0 = band
+                g1 = band + width
+            if floating is float:
+                wino_output_grad_row_f(out, s.Co * ld, g0, g1, s.tw)
+            else:
+                wino_output_grad_row_d(out, s.Co * ld, g0, g1, s.tw)
+            out += s.tw
+
+
+cdef void _input_grad_tiles(floating* dx, const floating* dv, Py_ssize_t ld, const WinoShape* s,
+                            Py_ssize_t ty0, Py_ssize_t ty1, floating* band) noexcept nogil:
+    """dx (C, H, W) of one image += B dv B^T of tile rows [ty0, ty1), each added back where
+    its patch was read (the adjoint of _input_tiles; padding positions are dropped)."""
+    cdef Py_ssize_t width = 2 * s.tw + 2, c, ty, i, k, r
+    cdef Py_ssize_t n = s.W if s.W < width - s.pw else width - s.pw
+    cdef const floating* vt
+    cdef floating* row
+    cdef floating* dst
+    for c in range(s.C):
+        vt = dv + c * ld
+        for ty in range(ty0, ty1):
+            if floating is float:
+                wino_input_grad_row_f(band, width, vt, s.C * ld, s.tw, band + 4 * width)
+            else:
+                wino_input_grad_row_d(band, width, vt, s.C * ld, s.tw, band + 4 * width)
+            for i in range(4):
+                r = 2 * ty - s.ph + i
+                if 0 <= r < s.H:
+                    row = band + i * width + s.pw
+                    dst = dx + (c * s.H + r) * s.W
+                    for k in range(n):
+                        dst[k] += row[k]
+            vt += s.tw
+
+
+cdef inline Py_ssize_t _chunk_tiles(const WinoShape* s, Py_ssize_t gn, Py_ssize_t ty0,
+                                    Py_ssize_t ty1) noexcept nogil:
+    return gn * (ty1 - ty0) * s.tw
+
+
+cdef inline Py_ssize_t _workspace_per_thread(const WinoShape* s) noexcept nogil:
+    # the transformed input tiles and the products (or output-gradient tiles), then bands
+    return 16 * (s.C + s.Co) * s.T + 12 * (2 * s.tw + 2)
+
+
+cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
+                   WinoShape s, floating* u, floating* work, int threads) noexcept nogil:
+    cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
+    cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
+    cdef Py_ssize_t grp, n0, g, gn, ty0, ty1, ld, xi, tiles
+    cdef floating* v = NULL
+    cdef floating* m = NULL
+    cdef floating* band = NULL
+    _transform_weights(u, w, &s, threads)
+    with parallel(num_threads=threads):
+        v = work + threadid() * per_thread
+        m = v + 16 * s.C * s.T
+        band = m + 16 * s.Co * s.T
+        for grp in prange(groups, schedule="static"):
+            n0 = grp * s.G
+            gn = s.G if n0 + s.G <= s.N else s.N - n0
+            ty0 = 0
+            while ty0 < s.th:
+                ty1 = ty0 + s.R if ty0 + s.R < s.th else s.th
+                ld = _chunk_tiles(&s, gn, ty0, ty1)
+                tiles = (ty1 - ty0) * s.tw
+                for g in range(gn):
+                    _input_tiles(v + g * tiles, ld, x + (n0 + g) * s.C * s.H * s.W, &s, ty0, ty1,
+                                 band)
+                for xi in range(16):
+                    gemm(False, False, <int> s.Co, <int> ld, <int> s.C, <floating> 1,
+                         u + xi * s.Co * s.C, <int> s.C, v + xi * s.C * ld, <int> ld,
+                         <floating> 0, m + xi * s.Co * ld, <int> ld)
+                for g in range(gn):
+                    _output_tiles(y + (n0 + g) * s.Co * s.Ho * s.Wo, m + g * tiles, ld, b, &s,
+                                  ty0, ty1, band)
+                ty0 = ty1
+
+
+cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy,
+                    const floating* x, const floating* w, WinoShape s, floating* u,
+                    floating* partials, floating* work, int threads) noexcept nogil:
+    cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
+    cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
+    cdef Py_ssize_t slot = 16 * s.Co * s.C
+    cdef Py_ssize_t grp, n0, g, gn, ty0, ty1, ld, xi, tiles, co, c, n, i
+    cdef floating* v = NULL
+    cdef floating* dm = NULL
+    cdef floating* du = NULL
+    cdef floating* band = NULL
+    cdef double bias_acc
+    cdef floating beta
+    # started[t]: 1 once thread t wrote its partial sum. Its first chunk overwrites the
+    # partial (no zeroing pass over threads x 16 x C_out x C_in), later chunks add.
+    cdef floating* started = partials + threads * slot
+    memset(started, 0, threads * sizeof(floating))
+    _transform_weights(u, w, &s, threads)
+    with parallel(num_threads=threads):
+        v = work + threadid() * per_thread
+        dm = v + 16 * s.C * s.T
+        band = dm + 16 * s.Co * s.T
+        du = partials + threadid() * slot
+        for grp in prange(groups, schedule="static"):
+            n0 = grp * s.G
+            gn = s.G if n0 + s.G <= s.N else s.N - n0
+            if dx != NULL:
+                memset(dx + n0 * s.C * s.H * s.W, 0, gn * s.C * s.H * s.W * sizeof(floating))
+            ty0 = 0
+            while ty0 < s.th:
+                ty1 = ty0 + s.R if ty0 + s.R < s.th else s.th
+                ld = _chunk_tiles(&s, gn, ty0, ty1)
+                tiles = (ty1 - ty0) * s.tw
+                for g in range(gn):
+                    _input_tiles(v + g * tiles, ld, x + (n0 + g) * s.C * s.H * s.W, &s, ty0, ty1,
+                                 band)
+                    _output_grad_tiles(dm + g * tiles, ld, dy + (n0 + g) * s.Co * s.Ho * s.Wo,
+                                       &s, ty0, ty1, band)
+                beta = started[threadid()]
+                started[threadid()] = 1
+                for xi in range(16):
+                    gemm(False, True, <int> s.Co, <int> s.C, <int> ld, <floating> 1,
+                         dm + xi * s.Co * ld, <int> ld, v + xi * s.C * ld, <int> ld,
+                         beta, du + xi * s.Co * s.C, <int> s.C)
+                    if dx != NULL:
+                        # dV overwrites V: this position's weight-gradient GEMM consumed it.
+                        gemm(True, False, <int> s.C, <int> ld, <int> s.Co, <floating> 1,
+                             u + xi * s.Co * s.C, <int> s.C, dm + xi * s.Co * ld, <int> ld,
+                             <floating> 0, v + xi * s.C * ld, <int> ld)
+                if dx != NULL:
+                    for g in range(gn):
+                        _input_grad_tiles(dx + (n0 + g) * s.C * s.H * s.W, v + g * tiles, ld,
+                                          &s, ty0, ty1, band)
+                ty0 = ty1
+    # dw += G^T (sum of the threads' partials, in thread order) G, parallel over C_out.
+    for co in prange(s.Co, schedule="static", num_threads=threads, nogil=True):
+        for c in range(s.C):
+            _add_weight_grad(dw + (co * s.C + c) * 9, partials + co * s.C + c, slot,
+                             s.Co * s.C, threads)
+    if db != NULL:
+        for co in prange(s.Co, schedule="static", num_threads=threads, nogil=True):
+            bias_acc = 0
+            for n in range(s.N):
+                for i in range(s.Ho * s.Wo):
+                    bias_acc = bias_acc + dy[(n * s.Co + co) * s.Ho * s.Wo + i]
+            db[co] += <floating> bias_acc
+
+
+cdef _require_supported(object wa, object stride):
+    if not winograd_supports((<object> wa).shape, stride):
+        raise ValueError(f"winograd: needs a 3x3 kernel at stride 1, got kernel "
+                         f"{(<object> wa).shape[2:]} and stride {stride!r}")
+
+
+def winograd_forward(y, x, w, b=None, padding=1):
+    """y (N, C_out, H_out, W_out) = conv2d(x (N, C_in, H, W), w (C_out, C_in, 3, 3)) + b,
+    stride 1; the same contract as conv.conv2d_forward. y is overwritten; b may be None."""
+    cdef FloatKind kind = F32
+    ya, xa, wa, ba = check_conv_forward(y, x, w, b, 1, padding, &kind)
+    _require_supported(wa, 1)
+    cdef int threads
+    cdef WinoShape s = _plan(xa, wa, padding, &threads)
+    cdef size_t itemsize = 4 if kind == F32 else 8
+    cdef Py_ssize_t u_size = 16 * s.Co * s.C
+    cdef bint private
+    cdef void* work = scratch_take(
+        &_scratch, (u_size + threads * _workspace_per_thread(&s)) * itemsize, &private)
+    cdef void* yp = data(ya)
+    cdef void* xp = data(xa)
+    cdef void* wp = data(wa)
+    cdef void* bp = data(ba)
+    try:
+        with nogil:
+            if kind == F32:
+                _forward(<float*> yp, <float*> xp, <float*> wp, <float*> bp, s,
+                         <float*> work, <float*> work + u_size, threads)
+            else:
+                _forward(<double*> yp, <double*> xp, <double*> wp, <double*> bp, s,
+                         <double*> work, <double*> work + u_size, threads)
+    finally:
+        scratch_give(&_scratch, work, private)
+
+
+def winograd_backward(dx, dw, db, dy, x, w, padding=1):
+    """Gradients of winograd_forward given dy; the same contract as conv.conv2d_backward:
+    dx is overwritten (None skips it), dw and db are accumulated into (db may be None)."""
+    cdef FloatKind kind = F32
+    dxa, dwa, dba, dya, xa, wa = check_conv_backward(dx, dw, db, dy, x, w, 1, padding, &kind)
+    _require_supported(wa, 1)
+    cdef int threads
+    cdef WinoShape s = _plan(xa, wa, padding, &threads)
+    cdef size_t itemsize = 4 if kind == F32 else 8
+    cdef Py_ssize_t u_size = 16 * s.Co * s.C
+    cdef bint private
+    # transformed weights, per-thread partial weight gradients and their `started` flags,
+    # per-thread tile buffers
+    cdef Py_ssize_t size = u_size * (1 + threads) + threads + threads * _workspace_per_thread(&s)
+    cdef void* work = scratch_take(&_scratch, size * itemsize, &private)
+    cdef void* dxp = data(dxa)
+    cdef void* dwp = data(dwa)
+    cdef void* dbp = data(dba)
+    cdef void* dyp = data(dya)
+    cdef void* xp = data(xa)
+    cdef void* wp = data(wa)
+    try:
+        with nogil:
+            if kind == F32:
+                _backward(<float*> dxp, <float*> dwp, <float*> dbp, <float*> dyp, <float*> xp,
+                          <float*> wp, s, <float*> work, <float*> work + u_size,
+                          <float*> work + u_size * (1 + threads) + threads, threads)
+            else:
+                _backward(<double*> dxp, <double*> dwp, <double*> dbp, <double*> dyp,
+                          <double*> xp, <double*> wp, s, <double*> work,
+                          <double*> work + u_size,
+                          <double*> work + u_size * (1 + threads) + threads, threads)
+    finally:
+        scratch_give(&_scratch, work, private)
