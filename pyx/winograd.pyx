@@ -205,9 +205,11 @@ cdef void _transform_weights(floating* u, const floating* w, const WinoShape* s,
 
 
 cdef extern from "winograd_rows.h" nogil:
-    void wino_input_row_f(float* v, Py_ssize_t stride, const float* d, Py_ssize_t width,
+    void wino_input_row_f(float* v, Py_ssize_t stride, const float* d0, const float* d1,
+                          const float* d2, const float* d3, Py_ssize_t W, Py_ssize_t pw,
                           Py_ssize_t tw, float* t)
-    void wino_input_row_d(double* v, Py_ssize_t stride, const double* d, Py_ssize_t width,
+    void wino_input_row_d(double* v, Py_ssize_t stride, const double* d0, const double* d1,
+                          const double* d2, const double* d3, Py_ssize_t W, Py_ssize_t pw,
                           Py_ssize_t tw, double* t)
     void wino_output_row_f(float* y0, float* y1, const float* m, Py_ssize_t stride,
                            Py_ssize_t tw, float bias)
@@ -224,41 +226,31 @@ cdef extern from "winograd_rows.h" nogil:
 
 
 # The tile transforms work on one row of tiles at a time (the row kernels in
-# include/winograd_rows.h). Tiles overlap by two columns, so the 4 input rows a tile row
-# reads go through a zero-padded "band" (band column k is image column k - pw), 2*tw + 2
-# wide: the width the last tile reaches. Per thread: 4 band rows, then the row kernels'
-# scratch, 12 band widths in all.
-
-cdef inline void _band_row(floating* band, const floating* plane, Py_ssize_t r,
-                           const WinoShape* s) noexcept nogil:
-    """band (2*tw + 2) = row r of plane (H, W) shifted right by pw, zero outside the image."""
-    cdef Py_ssize_t width = 2 * s.tw + 2, k, n = s.W
-    if r < 0 or r >= s.H:
-        memset(band, 0, width * sizeof(floating))
-        return
-    if n > width - s.pw:
-        n = width - s.pw
-    memset(band, 0, s.pw * sizeof(floating))
-    memcpy(band + s.pw, plane + r * s.W, n * sizeof(floating))
-    for k in range(s.pw + n, width):
-        band[k] = 0
-
+# include/winograd_rows.h). A tile row reads 4 image rows, seen through a zero-padded "band"
+# (band column k is image column k - pw) 2*tw + 2 wide: the width the last tile reaches.
+# Per thread: 12 band widths of scratch for the row kernels.
 
 cdef void _input_tiles(floating* v, Py_ssize_t ld, const floating* x, const WinoShape* s,
                        Py_ssize_t ty0, Py_ssize_t ty1, floating* band) noexcept nogil:
     """v[xi, c, p] (16, C, ld) = B^T d B for tile rows [ty0, ty1) of one image x (C, H, W);
     p counts tiles from 0 row by row."""
-    cdef Py_ssize_t width = 2 * s.tw + 2, c, ty, i
+    cdef Py_ssize_t width = 2 * s.tw + 2, c, ty, i, r
+    cdef const floating* rows[4]
+    cdef floating* zeros = band      # a row of the padding (the band is W or more wide)
     cdef floating* out
+    memset(zeros, 0, width * sizeof(floating))
     for c in range(s.C):
         out = v + c * ld
         for ty in range(ty0, ty1):
             for i in range(4):
-                _band_row(band + i * width, x + c * s.H * s.W, 2 * ty - s.ph + i, s)
+                r = 2 * ty - s.ph + i
+                rows[i] = x + (c * s.H + r) * s.W if 0 <= r < s.H else zeros
             if floating is float:
-                wino_input_row_f(out, s.C * ld, band, width, s.tw, band + 4 * width)
+                wino_input_row_f(out, s.C * ld, rows[0], rows[1], rows[2], rows[3], s.W, s.pw,
+                                 s.tw, band + width)
             else:
-                wino_input_row_d(out, s.C * ld, band, width, s.tw, band + 4 * width)
+                wino_input_row_d(out, s.C * ld, rows[0], rows[1], rows[2], rows[3], s.W, s.pw,
+                                 s.tw, band + width)
             out += s.tw
 
 
