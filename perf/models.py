@@ -19,7 +19,9 @@ WARMUP = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _dynar_step_fn(name, variant, threads, x, y):
+def _dynar_step_fn(name, variant, threads, x, y, timed=None):
+    """One training step of dynar's model. With `timed` (a dict), every leaf layer's forward
+    and backward, the loss and the optimizer add their seconds to timed[kind]."""
     from dynar import kernels, models, nn, optim
     kernels.set_num_threads(threads)
     kernels.set_flush_denormals(True)
@@ -27,6 +29,9 @@ def _dynar_step_fn(name, variant, threads, x, y):
     model = models.get(name, variant=variant, seed=0, **kw)
     crit = nn.CrossEntropyLoss()
     opt = optim.SGD(model, lr=0.01, momentum=0.9)
+    if timed is not None:
+        for module in [m for m in model.modules() if not list(m.children())] + [crit, opt]:
+            _time_calls(module, timed)
 
     def step():
         model.zero_grad()
@@ -34,6 +39,29 @@ def _dynar_step_fn(name, variant, threads, x, y):
         model.backward(crit.backward())
         opt.step()
     return step
+
+
+def _layer_kind(module):
+    kind = type(module).__name__
+    if kind == "Conv2d":
+        return "Conv2d " + ("winograd" if module._winograd else "im2col")
+    return kind
+
+
+def _time_calls(obj, timed):
+    import time
+    for method in ("forward", "backward", "step"):
+        inner = getattr(obj, method, None)
+        if inner is None:
+            continue
+
+        def wrapper(*args, inner=inner, method=method):
+            start = time.perf_counter()
+            out = inner(*args)
+            key = f"{_layer_kind(obj)} {method}"
+            timed[key] = timed.get(key, 0.0) + time.perf_counter() - start
+            return out
+        setattr(obj, method, wrapper)
 
 
 def _torch_step_fn(name, variant, threads, x, y):
@@ -90,8 +118,45 @@ def _peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _measure(framework, name, variant, threads, steps):
-    cmd = [sys.executable, "-m", "perf.models", "--worker", framework, name, variant,
+def breakdown_worker(name, variant, threads, steps):
+    """Run in a fresh process: seconds per step by layer kind and pass, after warm-up."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    from dynar import models
+    shape = models.get(name, variant=variant, seed=0).input_shape
+    x = rng.standard_normal((BATCH,) + shape, dtype=np.float32)
+    y = rng.integers(0, 10, BATCH)
+    timed = {}
+    step = _dynar_step_fn(name, variant, threads, x, y, timed)
+    for _ in range(WARMUP):
+        step()
+    timed.clear()
+    import time
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    total = (time.perf_counter() - start) / steps
+    print(json.dumps({"step_s": total, "by_kind": {k: v / steps for k, v in timed.items()}}))
+
+
+def _breakdown_table(breakdowns):
+    """Share of the step per layer kind and pass, one column per model."""
+    kinds = sorted({k for b in breakdowns.values() for k in b["by_kind"]},
+                   key=lambda k: -max(b["by_kind"].get(k, 0) / b["step_s"]
+                                      for b in breakdowns.values()))
+    rows = []
+    for kind in kinds:
+        rows.append([kind] + [f"{100 * b['by_kind'][kind] / b['step_s']:.1f}%"
+                              if kind in b["by_kind"] else "-" for b in breakdowns.values()])
+    rows.append(["not in a layer (model, Python)"] + [
+        f"{100 * (1 - sum(b['by_kind'].values()) / b['step_s']):.1f}%"
+        for b in breakdowns.values()])
+    rows.append(["step ms"] + [f"{1e3 * b['step_s']:.1f}" for b in breakdowns.values()])
+    return harness.format_table(["layer, pass"] + list(breakdowns), rows)
+
+
+def _measure(framework, name, variant, threads, steps, mode="--worker"):
+    cmd = [sys.executable, "-m", "perf.models", mode, framework, name, variant,
            str(threads), str(steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
@@ -127,10 +192,19 @@ def run(quick=False):
                      f"{rss['dynar']:.0f}", f"{rss['torch']:.0f}"])
     table = harness.format_table(["model", "dynar img/s", "PyTorch img/s", "dynar / PyTorch",
                                   "dynar max RSS MB", "PyTorch max RSS MB"], rows)
+    table += (f"\n\nbatch {BATCH}, {threads} threads, synthetic data, SGD momentum 0.9; "
+              f"medians of {rounds} alternating process pairs")
+    # Where dynar's step goes: every layer timed (the timers cost a few microseconds a call).
+    breakdowns = {f"{name}-{variant}": _measure("dynar", name, variant, threads,
+                                                 (20 if name == "lenet" else 3) if quick
+                                                 else (60 if name == "lenet" else 6),
+                                                 mode="--breakdown")
+                  for name, variant in MODELS}
+    table += ("\n\nWhere dynar's step goes (share of the step time, per layer kind and "
+              "pass):\n\n" + _breakdown_table(breakdowns))
     print(table)
-    print(f"\nbatch {BATCH}, {threads} threads, synthetic data, SGD momentum 0.9; medians of "
-          f"{rounds} alternating process pairs")
-    path = harness.write_result("models", {"models": records, "table": table})
+    path = harness.write_result("models", {"models": records, "breakdown": breakdowns,
+                                           "table": table})
     print(f"wrote {path}")
     return records
 
@@ -138,5 +212,7 @@ def run(quick=False):
 if __name__ == "__main__":
     if len(sys.argv) == 7 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+    elif len(sys.argv) == 7 and sys.argv[1] == "--breakdown":
+        breakdown_worker(sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
     else:
         raise SystemExit("usage: python -m perf models (this module's __main__ is the worker)")

@@ -66,6 +66,27 @@ cdef void _maxpool_plane(floating* y, int64_t* argmax, const floating* x,
             argmax[oh * s.Wo + ow] = best_at
 
 
+cdef extern from "maxpool_row.h" nogil:
+    void maxpool2x2_row_f(float* y, int64_t* argmax, const float* r0, const float* r1,
+                          Py_ssize_t wo, int64_t first, int64_t W)
+    void maxpool2x2_row_d(double* y, int64_t* argmax, const double* r0, const double* r1,
+                          Py_ssize_t wo, int64_t first, int64_t W)
+
+
+cdef void _maxpool_plane_2x2(floating* y, int64_t* argmax, const floating* x,
+                             const PoolShape* s) noexcept nogil:
+    """_maxpool_plane for 2x2 windows at stride 2 without padding (every VGG pool): the
+    same result, vectorized along each output row (include/maxpool_row.h)."""
+    cdef Py_ssize_t oh
+    for oh in range(s.Ho):
+        if floating is float:
+            maxpool2x2_row_f(y + oh * s.Wo, argmax + oh * s.Wo, x + 2 * oh * s.W,
+                             x + (2 * oh + 1) * s.W, s.Wo, 2 * oh * s.W, s.W)
+        else:
+            maxpool2x2_row_d(y + oh * s.Wo, argmax + oh * s.Wo, x + 2 * oh * s.W,
+                             x + (2 * oh + 1) * s.W, s.Wo, 2 * oh * s.W, s.W)
+
+
 cdef void _avgpool_plane(floating* y, const floating* x, const PoolShape* s) noexcept nogil:
     """y: (Ho, Wo); x: (H, W)."""
     cdef Py_ssize_t oh, ow, h, w, h0, h1, w0, w1
@@ -118,7 +139,11 @@ cdef void _forward(floating* y, int64_t* argmax, const floating* x, PoolShape s,
     # Parallel over planes: planes are independent and there are N*C of them (hundreds even
     # at batch 1), where one plane can be as small as 2x2.
     for plane in prange(s.N * s.C, schedule="static", num_threads=threads):
-        if argmax != NULL:
+        if argmax != NULL and s.kh == 2 and s.kw == 2 and s.sh == 2 and s.sw == 2 \
+                and s.ph == 0 and s.pw == 0:
+            _maxpool_plane_2x2(y + plane * out_size, argmax + plane * out_size,
+                               x + plane * in_size, &s)
+        elif argmax != NULL:
             _maxpool_plane(y + plane * out_size, argmax + plane * out_size,
                            x + plane * in_size, &s)
         else:

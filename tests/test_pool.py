@@ -97,6 +97,24 @@ def test_maxpool2d_ties_padding_and_nan_follow_pytorch():
     np.testing.assert_array_equal(argmax, [[[[0, 0], [0, 0]]]])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_maxpool2d_2x2_stride_2_fast_path_keeps_the_tie_and_nan_rules(dtype, rng):
+    # 2x2 at stride 2 runs a vectorized kernel: same rules as the generic loop above.
+    x = rng.integers(-2, 3, size=(3, 4, 7, 9)).astype(dtype)   # many ties; odd sizes
+    x[rng.random(x.shape) < 0.05] = np.nan
+    x[rng.random(x.shape) < 0.05] = -np.inf
+    y, argmax, _ = _maxpool(x, 2, 2, 0)
+    for n, c, oh, ow in np.ndindex(y.shape):
+        best, at = -np.inf, (2 * oh) * 9 + 2 * ow
+        for h in (2 * oh, 2 * oh + 1):
+            for w in (2 * ow, 2 * ow + 1):
+                v = x[n, c, h, w]
+                if v > best or np.isnan(v):
+                    best, at = v, h * 9 + w
+        assert argmax[n, c, oh, ow] == at
+        np.testing.assert_array_equal(y[n, c, oh, ow], best)
+
+
 def test_maxpool2d_backward_accumulates_overlapping_windows():
     x = np.zeros((1, 1, 3, 3))
     x[0, 0, 1, 1] = 5.0          # the max of all four overlapping 2x2 windows
