@@ -5,6 +5,12 @@
  * tx at offset tx). They are in C for `restrict`: with 16 output streams and a band that
  * Cython cannot declare non-aliasing, the compiler leaves these loops scalar; here it
  * vectorizes them across tiles. Instantiated for float (suffix _f) and double (_d).
+ *
+ * The transforms (Lavin & Gray's F(2x2, 3x3)), each applied down the columns, then along
+ * the rows of a tile:
+ *   input   B^T d B,  B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]
+ *   output  A^T m A,  A^T = [1 1 1 0; 0 1 -1 -1]
+ * and, for backward, their adjoints A g A^T and B v B^T.
  */
 #ifndef DYNAR_WINOGRAD_ROWS_H
 #define DYNAR_WINOGRAD_ROWS_H

@@ -68,26 +68,10 @@ def winograd_preferred(x_shape, w_shape, stride=1, padding=0):
     return xs[1] >= PREFERRED_MIN_CHANNELS and pixels >= PREFERRED_MIN_PIXELS
 
 
-# ---- 1-D transforms; the 2-D ones apply them down the columns, then along the rows ----
-# B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]   G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
-# A^T = [1 1 1 0; 0 1 -1 -1]
-# Each reads its input at stride si and writes its output at stride so.
-
-cdef inline void _bt(floating* o, const floating* d, int si, int so) noexcept nogil:
-    cdef floating d0 = d[0], d1 = d[si], d2 = d[2 * si], d3 = d[3 * si]
-    o[0] = d0 - d2
-    o[so] = d1 + d2
-    o[2 * so] = d2 - d1
-    o[3 * so] = d1 - d3
-
-
-cdef inline void _b(floating* o, const floating* v, int si, int so) noexcept nogil:
-    cdef floating v0 = v[0], v1 = v[si], v2 = v[2 * si], v3 = v[3 * si]
-    o[0] = v0
-    o[so] = v1 - v2 + v3
-    o[2 * so] = v1 + v2 - v0
-    o[3 * so] = -v3
-
+# ---- The weight transform, 1-D: G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1] and its transpose.
+# The 2-D one applies it down the columns, then along the rows. Each reads its input at
+# stride si and writes its output at stride so. (The tile transforms, B and A, are the row
+# kernels of include/winograd_rows.h.)
 
 cdef inline void _g(floating* o, const floating* g, int si, int so) noexcept nogil:
     cdef floating g0 = g[0], g1 = g[si], g2 = g[2 * si]
@@ -104,20 +88,6 @@ cdef inline void _gt(floating* o, const floating* u, int si, int so) noexcept no
     o[0] = u0 + half_sum
     o[so] = <floating> 0.5 * (u1 - u2)
     o[2 * so] = half_sum + u3
-
-
-cdef inline void _at(floating* o, const floating* m, int si, int so) noexcept nogil:
-    cdef floating m0 = m[0], m1 = m[si], m2 = m[2 * si], m3 = m[3 * si]
-    o[0] = m0 + m1 + m2
-    o[so] = m1 - m2 - m3
-
-
-cdef inline void _a(floating* o, const floating* v, int si, int so) noexcept nogil:
-    cdef floating v0 = v[0], v1 = v[si]
-    o[0] = v0
-    o[so] = v0 + v1
-    o[2 * so] = v0 - v1
-    o[3 * so] = -v1
 
 
 cdef struct WinoShape:
