@@ -50,10 +50,10 @@ def winograd_supports(w_shape, stride=1):
             and check_pair("stride", stride, 1) == (1, 1))
 
 
-# Where Winograd beats im2col/GEMM (`python -m perf kernels`, batch 64): from 16 input
-# channels on output planes of 16x16 and more it is 1.2-1.8x faster forward+backward. On
-# smaller planes a row of tiles is too short for its transforms to vectorize and the GEMMs
-# too narrow, and on a few input channels there is too little to multiply.
+# Where Winograd beats im2col/GEMM (`python -m perf kernels`, batch 64): on output planes of
+# 16x16 and more it runs forward+backward 1.5-1.6x faster. On 8x8 and smaller planes a row of
+# tiles is too short for its transforms to vectorize and the GEMMs too narrow (0.6-1.07x),
+# and with a few input channels there is too little to multiply (3 channels: 0.9x).
 DEF PREFERRED_MIN_CHANNELS = 16
 DEF PREFERRED_MIN_PIXELS = 256
 
