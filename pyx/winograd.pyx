@@ -175,12 +175,12 @@ cdef void _transform_weights(floating* u, const floating* w, const WinoShape* s,
 
 
 cdef extern from "winograd_rows.h" nogil:
-    void wino_input_row_f(float* v, Py_ssize_t stride, const float* d0, const float* d1,
-                          const float* d2, const float* d3, Py_ssize_t W, Py_ssize_t pw,
-                          Py_ssize_t tw, float* t)
-    void wino_input_row_d(double* v, Py_ssize_t stride, const double* d0, const double* d1,
-                          const double* d2, const double* d3, Py_ssize_t W, Py_ssize_t pw,
-                          Py_ssize_t tw, double* t)
+    void wino_input_columns_f(float* t, const float* d0, const float* d1, const float* d2,
+                              const float* d3, Py_ssize_t W, Py_ssize_t pw, Py_ssize_t tw)
+    void wino_input_columns_d(double* t, const double* d0, const double* d1, const double* d2,
+                              const double* d3, Py_ssize_t W, Py_ssize_t pw, Py_ssize_t tw)
+    void wino_input_row_f(float* v, Py_ssize_t stride, const float* t, Py_ssize_t tw)
+    void wino_input_row_d(double* v, Py_ssize_t stride, const double* t, Py_ssize_t tw)
     void wino_output_row_f(float* y0, float* y1, const float* m, Py_ssize_t stride,
                            Py_ssize_t tw, float bias)
     void wino_output_row_d(double* y0, double* y1, const double* m, Py_ssize_t stride,
@@ -198,7 +198,8 @@ cdef extern from "winograd_rows.h" nogil:
 # The tile transforms work on one row of tiles at a time (the row kernels in
 # include/winograd_rows.h). A tile row reads 4 image rows, seen through a zero-padded "band"
 # (band column k is image column k - pw) 2*tw + 2 wide: the width the last tile reaches.
-# Per thread: 12 band widths of scratch for the row kernels.
+# Per thread: 12 + 4 R band widths of scratch for the row kernels (the input transform
+# keeps the column half of R tile rows).
 
 cdef void _input_tiles(floating* v, Py_ssize_t ld, const floating* x, const WinoShape* s,
                        Py_ssize_t ty0, Py_ssize_t ty1, floating* band) noexcept nogil:
@@ -207,21 +208,28 @@ cdef void _input_tiles(floating* v, Py_ssize_t ld, const floating* x, const Wino
     cdef Py_ssize_t width = 2 * s.tw + 2, c, ty, i, r
     cdef const floating* rows[4]
     cdef floating* zeros = band      # a row of the padding (the band is W or more wide)
-    cdef floating* out
+    cdef floating* t = band + width  # the column transforms of every tile row
     memset(zeros, 0, width * sizeof(floating))
     for c in range(s.C):
-        out = v + c * ld
+        # Columns of every tile row first, then their rows: reading t back long after it
+        # was written keeps the loads clear of the shifted stores still in flight.
         for ty in range(ty0, ty1):
             for i in range(4):
                 r = 2 * ty - s.ph + i
                 rows[i] = x + (c * s.H + r) * s.W if 0 <= r < s.H else zeros
             if floating is float:
-                wino_input_row_f(out, s.C * ld, rows[0], rows[1], rows[2], rows[3], s.W, s.pw,
-                                 s.tw, band + width)
+                wino_input_columns_f(t + 4 * (ty - ty0) * width, rows[0], rows[1], rows[2],
+                                     rows[3], s.W, s.pw, s.tw)
             else:
-                wino_input_row_d(out, s.C * ld, rows[0], rows[1], rows[2], rows[3], s.W, s.pw,
-                                 s.tw, band + width)
-            out += s.tw
+                wino_input_columns_d(t + 4 * (ty - ty0) * width, rows[0], rows[1], rows[2],
+                                     rows[3], s.W, s.pw, s.tw)
+        for ty in range(ty0, ty1):
+            if floating is float:
+                wino_input_row_f(v + c * ld + (ty - ty0) * s.tw, s.C * ld,
+                                 t + 4 * (ty - ty0) * width, s.tw)
+            else:
+                wino_input_row_d(v + c * ld + (ty - ty0) * s.tw, s.C * ld,
+                                 t + 4 * (ty - ty0) * width, s.tw)
 
 
 cdef void _output_tiles(floating* y, const floating* m, Py_ssize_t ld, const floating* b,
@@ -314,7 +322,7 @@ cdef inline Py_ssize_t _chunk_tiles(const WinoShape* s, Py_ssize_t gn, Py_ssize_
 
 cdef inline Py_ssize_t _workspace_per_thread(const WinoShape* s) noexcept nogil:
     # the transformed input tiles and the products (or output-gradient tiles), then bands
-    return 16 * (s.C + s.Co) * s.T + 12 * (2 * s.tw + 2)
+    return 16 * (s.C + s.Co) * s.T + (12 + 4 * s.R) * (2 * s.tw + 2)
 
 
 cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
