@@ -40,6 +40,9 @@ cdef Scratch _scratch   # transformed weights, tile buffers and weight-gradient 
 # into bands of tile rows (so the tile buffers of a large image stay a few MB).
 DEF MIN_TILES = 256
 DEF MAX_TILES = 1024
+# Images per chunk from which the tile transforms run across the images (lane kernels)
+# rather than along a row of tiles, which is then 4 tiles or fewer.
+DEF LANES_MIN = 8
 
 
 def winograd_supports(w_shape, stride=1):
@@ -51,11 +54,11 @@ def winograd_supports(w_shape, stride=1):
 
 
 # Where Winograd beats im2col/GEMM (`python -m perf kernels`, batch 64): on output planes of
-# 16x16 and more it runs forward+backward 1.5-1.6x faster. On 8x8 and smaller planes a row of
-# tiles is too short for its transforms to vectorize and the GEMMs too narrow (0.6-1.07x),
-# and with a few input channels there is too little to multiply (3 channels: 0.9x).
+# 16x16 and more 1.45-1.6x forward+backward, on 8x8 (lane kernels) 1.5-1.8x, on 4x4 1.2-1.4x.
+# On 2x2 planes a tile is mostly padding and the GEMMs are 32 tiles wide (0.7x), and with a
+# few input channels there is too little to multiply (3 channels: 0.9x).
 DEF PREFERRED_MIN_CHANNELS = 16
-DEF PREFERRED_MIN_PIXELS = 256
+DEF PREFERRED_MIN_PIXELS = 16
 
 
 def winograd_preferred(x_shape, w_shape, stride=1, padding=0):
@@ -71,7 +74,7 @@ def winograd_preferred(x_shape, w_shape, stride=1, padding=0):
 # ---- The weight transform, 1-D: G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1] and its transpose.
 # The 2-D one applies it down the columns, then along the rows. Each reads its input at
 # stride si and writes its output at stride so. (The tile transforms, B and A, are the row
-# kernels of include/winograd_rows.h.)
+# kernels of include/winograd_tiles.h.)
 
 cdef inline void _g(floating* o, const floating* g, int si, int so) noexcept nogil:
     cdef floating g0 = g[0], g1 = g[si], g2 = g[2 * si]
@@ -96,6 +99,8 @@ cdef struct WinoShape:
     Py_ssize_t G        # images per chunk (> 1 only for small images)
     Py_ssize_t R        # tile rows per chunk when G == 1
     Py_ssize_t T        # tiles per chunk at most: G * R * tw
+    bint lanes          # chunks of >= LANES_MIN images: lane kernels, images innermost
+    Py_ssize_t Wp       # positions per row of a padded input plane: 2 * tw + 2
 
 
 cdef WinoShape _plan(object xa, object wa, object padding, int* threads) except *:
@@ -121,6 +126,8 @@ cdef WinoShape _plan(object xa, object wa, object padding, int* threads) except 
         if s.R < 1:
             s.R = 1
     s.T = s.G * s.R * s.tw
+    s.lanes = s.G >= LANES_MIN
+    s.Wp = 2 * s.tw + 2
     cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
     if threads[0] > groups:
         threads[0] = <int> groups
@@ -174,7 +181,7 @@ cdef void _transform_weights(floating* u, const floating* w, const WinoShape* s,
             _transform_weight(u + co * s.C + c, s.Co * s.C, w + (co * s.C + c) * 9)
 
 
-cdef extern from "winograd_rows.h" nogil:
+cdef extern from "winograd_tiles.h" nogil:
     void wino_input_columns_f(float* t, const float* d0, const float* d1, const float* d2,
                               const float* d3, Py_ssize_t W, Py_ssize_t pw, Py_ssize_t tw)
     void wino_input_columns_d(double* t, const double* d0, const double* d1, const double* d2,
@@ -193,10 +200,26 @@ cdef extern from "winograd_rows.h" nogil:
                                Py_ssize_t stride, Py_ssize_t tw, float* t)
     void wino_input_grad_row_d(double* band, Py_ssize_t width, const double* dv,
                                Py_ssize_t stride, Py_ssize_t tw, double* t)
+    void wino_lanes_input_f(float* v, Py_ssize_t stride, const float* xt, Py_ssize_t Wp,
+                            Py_ssize_t th, Py_ssize_t tw, Py_ssize_t L)
+    void wino_lanes_input_d(double* v, Py_ssize_t stride, const double* xt, Py_ssize_t Wp,
+                            Py_ssize_t th, Py_ssize_t tw, Py_ssize_t L)
+    void wino_lanes_output_f(float* yt, const float* m, Py_ssize_t stride, Py_ssize_t th,
+                             Py_ssize_t tw, Py_ssize_t L, float bias)
+    void wino_lanes_output_d(double* yt, const double* m, Py_ssize_t stride, Py_ssize_t th,
+                             Py_ssize_t tw, Py_ssize_t L, double bias)
+    void wino_lanes_output_grad_f(float* dm, Py_ssize_t stride, const float* dyt,
+                                  Py_ssize_t th, Py_ssize_t tw, Py_ssize_t L)
+    void wino_lanes_output_grad_d(double* dm, Py_ssize_t stride, const double* dyt,
+                                  Py_ssize_t th, Py_ssize_t tw, Py_ssize_t L)
+    void wino_lanes_input_grad_f(float* dxt, Py_ssize_t Wp, const float* dv, Py_ssize_t stride,
+                                 Py_ssize_t th, Py_ssize_t tw, Py_ssize_t L)
+    void wino_lanes_input_grad_d(double* dxt, Py_ssize_t Wp, const double* dv,
+                                 Py_ssize_t stride, Py_ssize_t th, Py_ssize_t tw, Py_ssize_t L)
 
 
 # The tile transforms work on one row of tiles at a time (the row kernels in
-# include/winograd_rows.h). A tile row reads 4 image rows, seen through a zero-padded "band"
+# include/winograd_tiles.h). A tile row reads 4 image rows, seen through a zero-padded "band"
 # (band column k is image column k - pw) 2*tw + 2 wide: the width the last tile reaches.
 # Per thread: 12 + 4 R band widths of scratch for the row kernels (the input transform
 # keeps the column half of R tile rows).
@@ -315,29 +338,133 @@ cdef void _input_grad_tiles(floating* dx, const floating* dv, Py_ssize_t ld, con
             vt += s.tw
 
 
+# ---- A chunk of images: rows of tiles image by image, or all images at once in lanes ----
+# Both layouts hold the chunk's tiles as the columns of its GEMMs; they differ in the column
+# order (rows: image-major, lanes: image innermost), which the four transforms of a chunk
+# share. A lane plane is position-major with the chunk's gn images innermost.
+
+cdef void _chunk_input(floating* v, Py_ssize_t ld, const floating* x, const WinoShape* s,
+                       Py_ssize_t gn, Py_ssize_t ty0, Py_ssize_t ty1, floating* band,
+                       floating* plane) noexcept nogil:
+    """v (16, C, ld) = the input tiles of images x[0:gn], tile rows [ty0, ty1)."""
+    cdef Py_ssize_t c, g, r, q, image = s.C * s.H * s.W
+    cdef floating* dst
+    if not s.lanes:
+        for g in range(gn):
+            _input_tiles(v + g * (ty1 - ty0) * s.tw, ld, x + g * image, s, ty0, ty1, band)
+        return
+    for c in range(s.C):
+        memset(plane, 0, (2 * s.th + 2) * s.Wp * gn * sizeof(floating))
+        for g in range(gn):
+            for r in range(s.H):
+                dst = plane + ((r + s.ph) * s.Wp + s.pw) * gn + g
+                for q in range(s.W):
+                    dst[q * gn] = x[g * image + (c * s.H + r) * s.W + q]
+        if floating is float:
+            wino_lanes_input_f(v + c * ld, s.C * ld, plane, s.Wp, s.th, s.tw, gn)
+        else:
+            wino_lanes_input_d(v + c * ld, s.C * ld, plane, s.Wp, s.th, s.tw, gn)
+
+
+cdef void _chunk_output(floating* y, const floating* m, Py_ssize_t ld, const floating* b,
+                        const WinoShape* s, Py_ssize_t gn, Py_ssize_t ty0, Py_ssize_t ty1,
+                        floating* band, floating* plane) noexcept nogil:
+    """y[0:gn] (C_out, Ho, Wo), tile rows [ty0, ty1) = A^T m A (+ b)."""
+    cdef Py_ssize_t co, g, oh, ow, image = s.Co * s.Ho * s.Wo
+    cdef floating* dst
+    if not s.lanes:
+        for g in range(gn):
+            _output_tiles(y + g * image, m + g * (ty1 - ty0) * s.tw, ld, b, s, ty0, ty1, band)
+        return
+    for co in range(s.Co):
+        if floating is float:
+            wino_lanes_output_f(plane, m + co * ld, s.Co * ld, s.th, s.tw, gn,
+                                b[co] if b != NULL else 0)
+        else:
+            wino_lanes_output_d(plane, m + co * ld, s.Co * ld, s.th, s.tw, gn,
+                                b[co] if b != NULL else 0)
+        for g in range(gn):
+            for oh in range(s.Ho):
+                dst = y + g * image + (co * s.Ho + oh) * s.Wo
+                for ow in range(s.Wo):
+                    dst[ow] = plane[(oh * 2 * s.tw + ow) * gn + g]
+
+
+cdef void _chunk_output_grad(floating* dm, Py_ssize_t ld, const floating* dy, const WinoShape* s,
+                             Py_ssize_t gn, Py_ssize_t ty0, Py_ssize_t ty1, floating* band,
+                             floating* plane) noexcept nogil:
+    """dm (16, C_out, ld) = A dy A^T for the tiles of images dy[0:gn], tile rows [ty0, ty1)."""
+    cdef Py_ssize_t co, g, oh, ow, image = s.Co * s.Ho * s.Wo
+    cdef floating* dst
+    if not s.lanes:
+        for g in range(gn):
+            _output_grad_tiles(dm + g * (ty1 - ty0) * s.tw, ld, dy + g * image, s, ty0, ty1,
+                               band)
+        return
+    for co in range(s.Co):
+        memset(plane, 0, 4 * s.th * s.tw * gn * sizeof(floating))
+        for g in range(gn):
+            for oh in range(s.Ho):
+                dst = plane + oh * 2 * s.tw * gn + g
+                for ow in range(s.Wo):
+                    dst[ow * gn] = dy[g * image + (co * s.Ho + oh) * s.Wo + ow]
+        if floating is float:
+            wino_lanes_output_grad_f(dm + co * ld, s.Co * ld, plane, s.th, s.tw, gn)
+        else:
+            wino_lanes_output_grad_d(dm + co * ld, s.Co * ld, plane, s.th, s.tw, gn)
+
+
+cdef void _chunk_input_grad(floating* dx, const floating* dv, Py_ssize_t ld, const WinoShape* s,
+                            Py_ssize_t gn, Py_ssize_t ty0, Py_ssize_t ty1, floating* band,
+                            floating* plane) noexcept nogil:
+    """dx[0:gn] (C, H, W) += B dv B^T of the chunk's tiles (tile rows [ty0, ty1))."""
+    cdef Py_ssize_t c, g, r, q, image = s.C * s.H * s.W
+    cdef floating* dst
+    if not s.lanes:
+        for g in range(gn):
+            _input_grad_tiles(dx + g * image, dv + g * (ty1 - ty0) * s.tw, ld, s, ty0, ty1,
+                              band)
+        return
+    for c in range(s.C):
+        memset(plane, 0, (2 * s.th + 2) * s.Wp * gn * sizeof(floating))
+        if floating is float:
+            wino_lanes_input_grad_f(plane, s.Wp, dv + c * ld, s.C * ld, s.th, s.tw, gn)
+        else:
+            wino_lanes_input_grad_d(plane, s.Wp, dv + c * ld, s.C * ld, s.th, s.tw, gn)
+        for g in range(gn):
+            for r in range(s.H):
+                dst = dx + g * image + (c * s.H + r) * s.W
+                for q in range(s.W):
+                    dst[q] += plane[((r + s.ph) * s.Wp + s.pw + q) * gn + g]
+
+
 cdef inline Py_ssize_t _chunk_tiles(const WinoShape* s, Py_ssize_t gn, Py_ssize_t ty0,
                                     Py_ssize_t ty1) noexcept nogil:
     return gn * (ty1 - ty0) * s.tw
 
 
 cdef inline Py_ssize_t _workspace_per_thread(const WinoShape* s) noexcept nogil:
-    # the transformed input tiles and the products (or output-gradient tiles), then bands
-    return 16 * (s.C + s.Co) * s.T + (12 + 4 * s.R) * (2 * s.tw + 2)
+    # the transformed input tiles and the products (or output-gradient tiles), then bands,
+    # then a lane plane
+    return (16 * (s.C + s.Co) * s.T + (12 + 4 * s.R) * (2 * s.tw + 2)
+            + ((2 * s.th + 2) * s.Wp * s.G if s.lanes else 0))
 
 
 cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
                    WinoShape s, floating* u, floating* work, int threads) noexcept nogil:
     cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
     cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
-    cdef Py_ssize_t grp, n0, g, gn, ty0, ty1, ld, xi, tiles
+    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi
     cdef floating* v = NULL
     cdef floating* m = NULL
     cdef floating* band = NULL
+    cdef floating* plane = NULL
     _transform_weights(u, w, &s, threads)
     with parallel(num_threads=threads):
         v = work + threadid() * per_thread
         m = v + 16 * s.C * s.T
         band = m + 16 * s.Co * s.T
+        plane = band + (12 + 4 * s.R) * (2 * s.tw + 2)
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
             gn = s.G if n0 + s.G <= s.N else s.N - n0
@@ -345,17 +472,13 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
             while ty0 < s.th:
                 ty1 = ty0 + s.R if ty0 + s.R < s.th else s.th
                 ld = _chunk_tiles(&s, gn, ty0, ty1)
-                tiles = (ty1 - ty0) * s.tw
-                for g in range(gn):
-                    _input_tiles(v + g * tiles, ld, x + (n0 + g) * s.C * s.H * s.W, &s, ty0, ty1,
-                                 band)
+                _chunk_input(v, ld, x + n0 * s.C * s.H * s.W, &s, gn, ty0, ty1, band, plane)
                 for xi in range(16):
                     gemm(False, False, <int> s.Co, <int> ld, <int> s.C, <floating> 1,
                          u + xi * s.Co * s.C, <int> s.C, v + xi * s.C * ld, <int> ld,
                          <floating> 0, m + xi * s.Co * ld, <int> ld)
-                for g in range(gn):
-                    _output_tiles(y + (n0 + g) * s.Co * s.Ho * s.Wo, m + g * tiles, ld, b, &s,
-                                  ty0, ty1, band)
+                _chunk_output(y + n0 * s.Co * s.Ho * s.Wo, m, ld, b, &s, gn, ty0, ty1, band,
+                              plane)
                 ty0 = ty1
 
 
@@ -365,11 +488,12 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
     cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
     cdef Py_ssize_t slot = 16 * s.Co * s.C
-    cdef Py_ssize_t grp, n0, g, gn, ty0, ty1, ld, xi, tiles, co, c, n, i
+    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, co, c, n, i
     cdef floating* v = NULL
     cdef floating* dm = NULL
     cdef floating* du = NULL
     cdef floating* band = NULL
+    cdef floating* plane = NULL
     cdef double bias_acc
     cdef floating beta
     # started[t]: 1 once thread t wrote its partial sum. Its first chunk overwrites the
@@ -381,6 +505,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         v = work + threadid() * per_thread
         dm = v + 16 * s.C * s.T
         band = dm + 16 * s.Co * s.T
+        plane = band + (12 + 4 * s.R) * (2 * s.tw + 2)
         du = partials + threadid() * slot
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
@@ -391,12 +516,9 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
             while ty0 < s.th:
                 ty1 = ty0 + s.R if ty0 + s.R < s.th else s.th
                 ld = _chunk_tiles(&s, gn, ty0, ty1)
-                tiles = (ty1 - ty0) * s.tw
-                for g in range(gn):
-                    _input_tiles(v + g * tiles, ld, x + (n0 + g) * s.C * s.H * s.W, &s, ty0, ty1,
-                                 band)
-                    _output_grad_tiles(dm + g * tiles, ld, dy + (n0 + g) * s.Co * s.Ho * s.Wo,
-                                       &s, ty0, ty1, band)
+                _chunk_input(v, ld, x + n0 * s.C * s.H * s.W, &s, gn, ty0, ty1, band, plane)
+                _chunk_output_grad(dm, ld, dy + n0 * s.Co * s.Ho * s.Wo, &s, gn, ty0, ty1, band,
+                                   plane)
                 beta = started[threadid()]
                 started[threadid()] = 1
                 for xi in range(16):
@@ -409,9 +531,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                              u + xi * s.Co * s.C, <int> s.C, dm + xi * s.Co * ld, <int> ld,
                              <floating> 0, v + xi * s.C * ld, <int> ld)
                 if dx != NULL:
-                    for g in range(gn):
-                        _input_grad_tiles(dx + (n0 + g) * s.C * s.H * s.W, v + g * tiles, ld,
-                                          &s, ty0, ty1, band)
+                    _chunk_input_grad(dx + n0 * s.C * s.H * s.W, v, ld, &s, gn, ty0, ty1, band,
+                                      plane)
                 ty0 = ty1
     # dw += G^T (sum of the threads' partials, in thread order) G, parallel over C_out.
     for co in prange(s.Co, schedule="static", num_threads=threads, nogil=True):

@@ -9,7 +9,8 @@ from conftest import at_thread_counts, require_torch
 
 # (N, C_in, H, W, C_out, padding): odd and even planes (partial last tiles), rectangular,
 # padding 0/1/2 and per-axis, a 1x1 image with padding, one channel, several images per
-# chunk, and a plane wide enough to be cut into bands of tile rows.
+# chunk, a plane wide enough to be cut into bands of tile rows, and small planes in chunks
+# of >= 8 images (the lane kernels; odd sizes, per-axis padding, a short last chunk).
 CASES = [
     (2, 3, 5, 7, 4, 1),
     (3, 5, 6, 6, 2, 0),
@@ -19,7 +20,11 @@ CASES = [
     (9, 6, 4, 4, 5, 1),
     (2, 8, 33, 31, 6, 1),
     (1, 2, 70, 80, 2, 1),
+    (17, 2, 5, 3, 3, 1),
+    (16, 3, 6, 7, 2, (0, 2)),
+    (40, 4, 2, 2, 3, 1),
 ]
+LANE_CASES = CASES[-3:]
 
 
 def _run(fwd, bwd, x, w, b, padding, dy, with_dx=True):
@@ -60,7 +65,7 @@ def test_winograd_equals_im2col_in_float64(case, rng):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
 
 
-@pytest.mark.parametrize("case", CASES[:5])
+@pytest.mark.parametrize("case", CASES[:5] + LANE_CASES[:1])
 def test_winograd_gradients_match_central_differences(case, rng):
     x, w, b, padding, _ = _inputs(rng, case, np.float64)
     proj = rng.standard_normal(conv.conv2d_output_shape(x.shape, w.shape, 1, padding))
@@ -153,7 +158,8 @@ def test_winograd_equals_im2col_on_any_shape(N, C, H, W, Co, ph, pw):
 
 def test_conv2d_layer_picks_winograd_where_preferred_and_both_agree(rng):
     assert winograd.winograd_preferred((64, 64, 32, 32), (64, 64, 3, 3), 1, 1)
-    assert not winograd.winograd_preferred((64, 64, 4, 4), (64, 64, 3, 3), 1, 1)
+    assert winograd.winograd_preferred((64, 64, 4, 4), (64, 64, 3, 3), 1, 1)
+    assert not winograd.winograd_preferred((64, 64, 2, 2), (64, 64, 3, 3), 1, 1)
     assert not winograd.winograd_preferred((64, 3, 32, 32), (64, 3, 3, 3), 1, 1)
     assert not winograd.winograd_preferred((64, 64, 32, 32), (64, 64, 3, 3), 2, 1)
     layer = nn.Conv2d(16, 8, 3, padding=1, generator=rng)
