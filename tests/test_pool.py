@@ -97,22 +97,27 @@ def test_maxpool2d_ties_padding_and_nan_follow_pytorch():
     np.testing.assert_array_equal(argmax, [[[[0, 0], [0, 0]]]])
 
 
+@pytest.mark.parametrize("width", [3, 9, 14, 28, 33, 67])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_maxpool2d_2x2_stride_2_fast_path_keeps_the_tie_and_nan_rules(dtype, rng):
-    # 2x2 at stride 2 runs a vectorized kernel: same rules as the generic loop above.
-    x = rng.integers(-2, 3, size=(3, 4, 7, 9)).astype(dtype)   # many ties; odd sizes
+def test_maxpool2d_2x2_stride_2_fast_path_keeps_the_tie_and_nan_rules(dtype, width, rng):
+    # 2x2 at stride 2 runs a vectorized kernel in fixed-width chunks, the last one overlapping
+    # (include/maxpool_row.h): output rows of 1-3, 4-7, 8-15 and 16+ take different paths.
+    # The rules are the generic loop's above.
+    x = rng.integers(-2, 3, size=(2, 3, 7, width)).astype(dtype)   # many ties; odd sizes
     x[rng.random(x.shape) < 0.05] = np.nan
     x[rng.random(x.shape) < 0.05] = -np.inf
     y, argmax, _ = _maxpool(x, 2, 2, 0)
-    for n, c, oh, ow in np.ndindex(y.shape):
-        best, at = -np.inf, (2 * oh) * 9 + 2 * ow
-        for h in (2 * oh, 2 * oh + 1):
-            for w in (2 * ow, 2 * ow + 1):
-                v = x[n, c, h, w]
-                if v > best or np.isnan(v):
-                    best, at = v, h * 9 + w
-        assert argmax[n, c, oh, ow] == at
-        np.testing.assert_array_equal(y[n, c, oh, ow], best)
+    ho, wo = y.shape[2:]
+    oh, ow = np.meshgrid(np.arange(ho), np.arange(wo), indexing="ij")
+    best = np.full(y.shape, -np.inf)
+    at = np.broadcast_to(2 * oh * width + 2 * ow, y.shape).copy()
+    for dh, dw in ((0, 0), (0, 1), (1, 0), (1, 1)):   # the window in row-major order
+        v = x[:, :, 2 * oh + dh, 2 * ow + dw]
+        take = (v > best) | np.isnan(v)
+        best = np.where(take, v, best)
+        at = np.where(take, (2 * oh + dh) * width + 2 * ow + dw, at)
+    np.testing.assert_array_equal(argmax, at)
+    np.testing.assert_array_equal(y, best.astype(dtype))
 
 
 def test_maxpool2d_backward_accumulates_overlapping_windows():
