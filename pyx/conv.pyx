@@ -54,65 +54,98 @@ cdef inline Py_ssize_t _valid_hi(Py_ssize_t pad, Py_ssize_t offset, Py_ssize_t s
     return last if last < out_size else out_size
 
 
+cdef extern from "im2col_rows.h" nogil:
+    void im2col_rows_f(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
+                       Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+    void im2col_rows_d(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
+                       Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+    void im2col_rows_f_add(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
+                           Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+    void im2col_rows_d_add(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
+                           Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+
+
+cdef inline void _valid_rows(const ConvShape* s, Py_ssize_t i, Py_ssize_t oh0, Py_ssize_t oh1,
+                             Py_ssize_t* top, Py_ssize_t* bottom) noexcept nogil:
+    """Output rows [top, bottom) of [oh0, oh1) that kernel row i reads from a real input
+    row; the others read padding."""
+    cdef Py_ssize_t t = _valid_lo(s.ph, i, s.sh, s.Ho)
+    cdef Py_ssize_t b = _valid_hi(s.ph, i, s.sh, s.H, s.Ho)
+    t = oh0 if t < oh0 else (oh1 if t > oh1 else t)
+    top[0] = t
+    bottom[0] = t if b < t else (oh1 if b > oh1 else b)
+
+
+cdef inline void _valid_columns(const ConvShape* s, Py_ssize_t j, Py_ssize_t* lo,
+                                Py_ssize_t* hi) noexcept nogil:
+    """Output columns [lo, hi) that kernel column j reads from a real input column."""
+    lo[0] = _valid_lo(s.pw, j, s.sw, s.Wo)
+    hi[0] = _valid_hi(s.pw, j, s.sw, s.W, s.Wo)
+    if hi[0] < lo[0]:
+        hi[0] = lo[0]
+
+
 cdef void im2col(floating* col, Py_ssize_t ld, const floating* x, const ConvShape* s,
                  Py_ssize_t oh0, Py_ssize_t oh1) noexcept nogil:
     """col: (K, ld), columns [0, (oh1-oh0)*Wo) written; x: (C, H, W), one image.
 
-    Unfolds output rows [oh0, oh1). Row by row with the padding ranges computed up front, so
-    the inner loop is a plain copy (memcpy at stride 1) instead of a bounds test per pixel."""
-    cdef Py_ssize_t c, i, j, oh, ih, ow, lo, hi
+    Unfolds output rows [oh0, oh1). The padding ranges are computed up front, rows and
+    columns, so the inner loops are plain copies and fills instead of a bounds test per
+    pixel."""
+    cdef Py_ssize_t c, i, j, oh, ow, lo, hi, top, bottom
     cdef floating* dst
     cdef const floating* src
     for c in range(s.C):
         for i in range(s.kh):
+            _valid_rows(s, i, oh0, oh1, &top, &bottom)
             for j in range(s.kw):
-                lo = _valid_lo(s.pw, j, s.sw, s.Wo)
-                hi = _valid_hi(s.pw, j, s.sw, s.W, s.Wo)
-                if hi < lo:
-                    hi = lo
+                _valid_columns(s, j, &lo, &hi)
                 dst = col + ((c * s.kh + i) * s.kw + j) * ld
-                for oh in range(oh0, oh1):
-                    ih = oh * s.sh - s.ph + i
-                    if ih < 0 or ih >= s.H:
-                        memset(dst, 0, s.Wo * sizeof(floating))
+                memset(dst, 0, (top - oh0) * s.Wo * sizeof(floating))
+                dst += (top - oh0) * s.Wo
+                src = x + (c * s.H + top * s.sh - s.ph + i) * s.W + lo * s.sw - s.pw + j
+                if s.sw == 1:
+                    if floating is float:
+                        im2col_rows_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
                     else:
-                        if lo > 0:
-                            memset(dst, 0, lo * sizeof(floating))
-                        src = x + (c * s.H + ih) * s.W + lo * s.sw - s.pw + j
-                        if s.sw == 1:
-                            memcpy(dst + lo, src, (hi - lo) * sizeof(floating))
-                        else:
-                            for ow in range(hi - lo):
-                                dst[lo + ow] = src[ow * s.sw]
-                        if hi < s.Wo:
-                            memset(dst + hi, 0, (s.Wo - hi) * sizeof(floating))
-                    dst += s.Wo
+                        im2col_rows_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                    dst += (bottom - top) * s.Wo
+                else:
+                    for oh in range(top, bottom):
+                        memset(dst, 0, lo * sizeof(floating))
+                        for ow in range(hi - lo):
+                            dst[lo + ow] = src[ow * s.sw]
+                        memset(dst + hi, 0, (s.Wo - hi) * sizeof(floating))
+                        dst += s.Wo
+                        src += s.sh * s.W
+                memset(dst, 0, (oh1 - bottom) * s.Wo * sizeof(floating))
 
 
 cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const ConvShape* s,
                      Py_ssize_t oh0, Py_ssize_t oh1) noexcept nogil:
     """x: (C, H, W) += every column of col (K, ld) for output rows [oh0, oh1), added back
     to the pixel im2col read it from (the adjoint of im2col)."""
-    cdef Py_ssize_t c, i, j, oh, ih, ow, lo, hi
+    cdef Py_ssize_t c, i, j, oh, ow, lo, hi, top, bottom
     cdef const floating* src
     cdef floating* dst
     for c in range(s.C):
         for i in range(s.kh):
+            _valid_rows(s, i, oh0, oh1, &top, &bottom)
             for j in range(s.kw):
-                lo = _valid_lo(s.pw, j, s.sw, s.Wo)
-                hi = _valid_hi(s.pw, j, s.sw, s.W, s.Wo)
-                src = col + ((c * s.kh + i) * s.kw + j) * ld
-                for oh in range(oh0, oh1):
-                    ih = oh * s.sh - s.ph + i
-                    if ih >= 0 and ih < s.H:
-                        dst = x + (c * s.H + ih) * s.W + lo * s.sw - s.pw + j
-                        if s.sw == 1:   # unit stride: a loop the compiler vectorizes
-                            for ow in range(hi - lo):
-                                dst[ow] += src[lo + ow]
-                        else:
-                            for ow in range(hi - lo):
-                                dst[ow * s.sw] += src[lo + ow]
-                    src += s.Wo
+                _valid_columns(s, j, &lo, &hi)
+                src = col + ((c * s.kh + i) * s.kw + j) * ld + (top - oh0) * s.Wo
+                dst = x + (c * s.H + top * s.sh - s.ph + i) * s.W + lo * s.sw - s.pw + j
+                if s.sw == 1:
+                    if floating is float:
+                        im2col_rows_f_add(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                    else:
+                        im2col_rows_d_add(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                else:
+                    for oh in range(top, bottom):
+                        for ow in range(hi - lo):
+                            dst[ow * s.sw] += src[lo + ow]
+                        dst += s.sh * s.W
+                        src += s.Wo
 
 
 cdef inline bint _is_direct(const ConvShape* s, Py_ssize_t gn) noexcept nogil:
