@@ -25,6 +25,7 @@ MODULES = {
     "threads": "dynar.kernels.threads",
     "conv": "dynar.kernels.conv",
     "winograd": "dynar.kernels.winograd",
+    "direct": "dynar.kernels.direct",
     "pool": "dynar.kernels.pool",
     "activation": "dynar.kernels.activation",
     "linear": "dynar.kernels.linear",

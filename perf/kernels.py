@@ -4,9 +4,10 @@ For every conv layer shape of LeNet (MNIST) and AlexNet, VGG-16 and ResNet-18 (C
 64: GFLOP/s of dynar's forward and backward (weight + input gradient) next to
 torch.nn.functional.conv2d's with the same thread count, and the float32 GEMM ceiling
 (numpy `a @ b` at 2048^3) measured in the same run. "dynar" is the algorithm nn.Conv2d picks
-(winograd_preferred); on 3x3 stride-1 layers both im2col/GEMM and Winograd are timed, which
-is the measurement behind that choice. Winograd's GFLOP/s count the direct convolution's
-multiply-adds, so they can exceed the ceiling.
+(nn.conv.preferred_kernel); every algorithm that supports the layer is timed too (im2col/GEMM
+always, the direct kernels at stride 1, Winograd on 3x3 stride 1), which is the measurement
+behind that choice. Winograd's GFLOP/s count the direct convolution's multiply-adds, so they
+can exceed the ceiling.
 """
 import numpy as np
 
@@ -46,7 +47,14 @@ LAYERS = [
 ]
 
 
-def _layer_candidates(conv, winograd, torch, C, Co, k, s, p, H, rng):
+# Table names of nn.Conv2d's kernels.
+ALGORITHMS = {"gemm": "im2col", "winograd": "winograd", "direct": "direct"}
+
+
+def _layer_candidates(torch, C, Co, k, s, p, H, rng):
+    from dynar.kernels import conv, direct, winograd
+    from dynar.nn.conv import preferred_kernel
+
     x = rng.standard_normal((BATCH, C, H, H), dtype=np.float32)
     w = rng.standard_normal((Co, C, k, k), dtype=np.float32) / np.float32(np.sqrt(C * k * k))
     y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, s, p), np.float32)
@@ -71,7 +79,10 @@ def _layer_candidates(conv, winograd, torch, C, Co, k, s, p, H, rng):
     if winograd.winograd_supports(w.shape, s):
         candidates["winograd_fwd"] = lambda: winograd.winograd_forward(y, x, w, None, p)
         candidates["winograd_bwd"] = lambda: winograd.winograd_backward(dx, dw, None, dy, x, w, p)
-    algorithm = "winograd" if winograd.winograd_preferred(x.shape, w.shape, s, p) else "im2col"
+    if direct.direct_supports(w.shape, s):
+        candidates["direct_fwd"] = lambda: direct.direct_forward(y, x, w, None, p)
+        candidates["direct_bwd"] = lambda: direct.direct_backward(dx, dw, None, dy, x, w, p)
+    algorithm = ALGORITHMS[preferred_kernel(x.shape, w.shape, s, p)]
     flops = 2.0 * BATCH * Co * C * k * k * y.shape[2] * y.shape[3]
     return candidates, flops, algorithm
 
@@ -88,8 +99,6 @@ def summary_text(summary):
 def run(quick=False):
     import torch
     from dynar import kernels
-    from dynar.kernels import conv, winograd
-
     threads = kernels.get_num_threads()
     torch.set_num_threads(threads)
     repeats = 3 if quick else 7
@@ -97,8 +106,7 @@ def run(quick=False):
     ceiling, ceiling_samples = harness.gemm_ceiling_gflops(repeats=3 if quick else 5)
     rows, records = [], []
     for net, name, C, Co, k, s, p, H in LAYERS:
-        candidates, flops, algorithm = _layer_candidates(conv, winograd, torch, C, Co, k, s, p,
-                                                         H, rng)
+        candidates, flops, algorithm = _layer_candidates(torch, C, Co, k, s, p, H, rng)
         samples = harness.alternate(candidates, repeats)
         t = {key: harness.median(v) for key, v in samples.items()}
         fwd, bwd = t[f"{algorithm}_fwd"], t[f"{algorithm}_bwd"]
@@ -108,19 +116,19 @@ def run(quick=False):
                    dynar_fwd_gflops=flops / fwd / 1e9,
                    dynar_bwd_gflops=2 * flops / bwd / 1e9,
                    dynar_fwd_bwd_gflops=3 * flops / (fwd + bwd) / 1e9,
-                   im2col_fwd_bwd_gflops=3 * flops / (t["im2col_fwd"] + t["im2col_bwd"]) / 1e9,
-                   winograd_fwd_bwd_gflops=(3 * flops / (t["winograd_fwd"] + t["winograd_bwd"])
-                                            / 1e9 if "winograd_fwd" in t else None),
+                   **{f"{a}_fwd_bwd_gflops": (3 * flops / (t[f"{a}_fwd"] + t[f"{a}_bwd"]) / 1e9
+                                              if f"{a}_fwd" in t else None)
+                      for a in ALGORITHMS.values()},
                    torch_fwd_gflops=flops / t["torch_fwd"] / 1e9,
                    torch_bwd_gflops=2 * flops / max(t["torch_fwd_bwd"] - t["torch_fwd"], 1e-9) / 1e9,
                    torch_fwd_bwd_gflops=3 * flops / torch_total / 1e9,
                    speedup_vs_torch=torch_total / (fwd + bwd))
         rec["fwd_bwd_fraction_of_ceiling"] = rec["dynar_fwd_bwd_gflops"] / ceiling
         records.append(rec)
-        wino = rec["winograd_fwd_bwd_gflops"]
+        per_algorithm = [rec[f"{a}_fwd_bwd_gflops"] for a in ALGORITHMS.values()]
         rows.append([net, name, algorithm, f"{rec['dynar_fwd_gflops']:.0f}",
-                     f"{rec['dynar_bwd_gflops']:.0f}", f"{rec['im2col_fwd_bwd_gflops']:.0f}",
-                     "-" if wino is None else f"{wino:.0f}",
+                     f"{rec['dynar_bwd_gflops']:.0f}",
+                     *("-" if g is None else f"{g:.0f}" for g in per_algorithm),
                      f"{rec['torch_fwd_gflops']:.0f}", f"{rec['torch_bwd_gflops']:.0f}",
                      f"{100 * rec['fwd_bwd_fraction_of_ceiling']:.0f}%",
                      f"{rec['speedup_vs_torch']:.2f}x"])
@@ -136,7 +144,7 @@ def run(quick=False):
     }
     table = harness.format_table(
         ["network", "layer", "dynar runs", "dynar fwd GF/s", "dynar bwd GF/s",
-         "im2col fwd+bwd GF/s", "winograd fwd+bwd GF/s", "torch fwd GF/s", "torch bwd GF/s",
+         *(f"{a} fwd+bwd GF/s" for a in ALGORITHMS.values()), "torch fwd GF/s", "torch bwd GF/s",
          "dynar fwd+bwd / ceiling", "fwd+bwd speed-up vs torch"], rows)
     table += "\n\n" + summary_text(summary)
     print(table)

@@ -44,7 +44,7 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None):
 def _layer_kind(module):
     kind = type(module).__name__
     if kind == "Conv2d":
-        return "Conv2d " + ("winograd" if module._winograd else "im2col")
+        return f"Conv2d {module.kernel}"
     return kind
 
 

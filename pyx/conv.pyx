@@ -54,15 +54,15 @@ cdef inline Py_ssize_t _valid_hi(Py_ssize_t pad, Py_ssize_t offset, Py_ssize_t s
     return last if last < out_size else out_size
 
 
-cdef extern from "im2col_rows.h" nogil:
-    void im2col_rows_f(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
+cdef extern from "plane_rows.h" nogil:
+    void rows_unfold_f(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
                        Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
-    void im2col_rows_d(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
+    void rows_unfold_d(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
                        Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
-    void im2col_rows_f_add(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
-                           Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
-    void im2col_rows_d_add(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
-                           Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+    void rows_fold_add_f(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
+                         Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+    void rows_fold_add_d(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
+                         Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
 
 
 cdef inline void _valid_rows(const ConvShape* s, Py_ssize_t i, Py_ssize_t oh0, Py_ssize_t oh1,
@@ -106,9 +106,9 @@ cdef void im2col(floating* col, Py_ssize_t ld, const floating* x, const ConvShap
                 src = x + (c * s.H + top * s.sh - s.ph + i) * s.W + lo * s.sw - s.pw + j
                 if s.sw == 1:
                     if floating is float:
-                        im2col_rows_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                        rows_unfold_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
                     else:
-                        im2col_rows_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                        rows_unfold_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
                     dst += (bottom - top) * s.Wo
                 else:
                     for oh in range(top, bottom):
@@ -137,9 +137,9 @@ cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const Conv
                 dst = x + (c * s.H + top * s.sh - s.ph + i) * s.W + lo * s.sw - s.pw + j
                 if s.sw == 1:
                     if floating is float:
-                        im2col_rows_f_add(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                        rows_fold_add_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
                     else:
-                        im2col_rows_d_add(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                        rows_fold_add_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
                 else:
                     for oh in range(top, bottom):
                         for ow in range(hi - lo):
@@ -148,24 +148,24 @@ cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const Conv
                         src += s.Wo
 
 
-cdef inline bint _is_direct(const ConvShape* s, Py_ssize_t gn) noexcept nogil:
+cdef inline bint _is_pointwise(const ConvShape* s, Py_ssize_t gn) noexcept nogil:
     # A single image of a 1x1, stride-1, unpadded conv is its own GEMM operand.
-    return s.direct and gn == 1
+    return s.pointwise and gn == 1
 
 
 cdef inline Py_ssize_t operand_stride(const ConvShape* s, Py_ssize_t gn,
                                       Py_ssize_t cols) noexcept nogil:
     """Row stride of the operand unfold() returns."""
-    return s.P if _is_direct(s, gn) else cols
+    return s.P if _is_pointwise(s, gn) else cols
 
 
 cdef const floating* unfold(floating* col, const floating* x, const ConvShape* s,
                             Py_ssize_t n0, Py_ssize_t gn, Py_ssize_t oh0,
                             Py_ssize_t oh1) noexcept nogil:
     """The GEMM operand (K, cols) for images [n0, n0+gn), output rows [oh0, oh1): im2col
-    into col, or the image itself where _is_direct."""
+    into col, or the image itself where _is_pointwise."""
     cdef Py_ssize_t g, cols = gn * (oh1 - oh0) * s.Wo
-    if _is_direct(s, gn):
+    if _is_pointwise(s, gn):
         return x + n0 * s.C * s.P + oh0 * s.Wo
     for g in range(gn):
         im2col(col + g * (oh1 - oh0) * s.Wo, cols, x + (n0 + g) * s.C * s.H * s.W, s, oh0, oh1)
@@ -178,7 +178,7 @@ cdef struct ConvShape:
     Py_ssize_t P       # Ho*Wo, columns of col per image
     Py_ssize_t G       # images per GEMM (> 1 only for small P)
     Py_ssize_t R       # output rows per GEMM when G == 1 (a tile of col that stays in cache)
-    bint direct        # 1x1, stride 1, no padding: col is the image itself, no unfolding
+    bint pointwise     # 1x1, stride 1, no padding: col is the image itself, no unfolding
 
 
 cdef inline Py_ssize_t _images_per_gemm(Py_ssize_t P, Py_ssize_t N, int threads) noexcept nogil:
@@ -213,8 +213,8 @@ cdef ConvShape _conv_shape(tuple xs, tuple ws, tuple stride, tuple padding, int 
     s.K = s.C * s.kh * s.kw
     s.P = s.Ho * s.Wo
     s.G = _images_per_gemm(s.P, s.N, threads)
-    s.direct = s.kh == 1 and s.kw == 1 and s.sh == 1 and s.sw == 1 and s.ph == 0 and s.pw == 0
-    s.R = s.Ho if s.G > 1 or s.direct else _rows_per_tile(s.K, s.Wo, s.Ho, itemsize)
+    s.pointwise = s.kh == 1 and s.kw == 1 and s.sh == 1 and s.sw == 1 and s.ph == 0 and s.pw == 0
+    s.R = s.Ho if s.G > 1 or s.pointwise else _rows_per_tile(s.K, s.Wo, s.Ho, itemsize)
     check_blas_dim("conv: C_in*kh*kw", s.K)
     check_blas_dim("conv: C_out", s.Co)
     check_blas_dim("conv: images*H_out*W_out per GEMM", s.G * s.P)
@@ -327,7 +327,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
             gn = s.G if n0 + s.G <= s.N else s.N - n0
-            if dx != NULL and not _is_direct(&s, gn):
+            if dx != NULL and not _is_pointwise(&s, gn):
                 memset(dx + n0 * s.C * s.H * s.W, 0, gn * s.C * s.H * s.W * sizeof(floating))
             oh0 = 0
             while oh0 < s.Ho:
@@ -356,7 +356,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                             acc = acc + dyp[co * ld_dy + p]
                         dbt[co] += acc
                 if dx != NULL:
-                    if _is_direct(&s, gn):
+                    if _is_pointwise(&s, gn):
                         # 1x1 stride 1: the input gradient is the GEMM itself, no col2im.
                         gemm(True, False, <int> s.K, <int> cols, <int> s.Co, <floating> 1, w,
                              <int> s.K, dyp, <int> ld_dy, <floating> 0,

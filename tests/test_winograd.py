@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dynar import nn
-from dynar.kernels import conv, winograd
-from gradcheck import assert_gradient
+from dynar.kernels import winograd
+import stride1_conv
 from conftest import at_thread_counts, require_torch
 
 # (N, C_in, H, W, C_out, padding): odd and even planes (partial last tiles), rectangular,
@@ -27,34 +27,17 @@ CASES = [
 LANE_CASES = CASES[-3:]
 
 
-def _run(fwd, bwd, x, w, b, padding, dy, with_dx=True):
-    y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, 1, padding), x.dtype)
-    fwd(y, x, w, b, padding)
-    dx = np.full_like(x, np.nan) if with_dx else None   # documented as overwritten
-    dw = np.full_like(w, 0.5)                           # documented as accumulated into
-    db = None if b is None else np.full_like(b, 0.25)
-    bwd(dx, dw, db, dy, x, w, padding)
-    return y, dx, dw, db
-
-
 def _winograd(x, w, b, padding, dy, with_dx=True):
-    return _run(winograd.winograd_forward, winograd.winograd_backward, x, w, b, padding, dy,
-                with_dx)
+    return stride1_conv.run(winograd.winograd_forward, winograd.winograd_backward, x, w, b,
+                            padding, dy, with_dx)
 
 
-def _im2col(x, w, b, padding, dy, with_dx=True):
-    return _run(lambda y, x, w, b, p: conv.conv2d_forward(y, x, w, b, 1, p),
-                lambda dx, dw, db, dy, x, w, p: conv.conv2d_backward(dx, dw, db, dy, x, w, 1, p),
-                x, w, b, padding, dy, with_dx)
+_im2col = stride1_conv.im2col
 
 
 def _inputs(rng, case, dtype, bias=True):
     N, C, H, W, Co, padding = case
-    x = rng.standard_normal((N, C, H, W)).astype(dtype)
-    w = (rng.standard_normal((Co, C, 3, 3)) / np.sqrt(9 * C)).astype(dtype)
-    b = rng.standard_normal(Co).astype(dtype) if bias else None
-    dy = rng.standard_normal(conv.conv2d_output_shape(x.shape, w.shape, 1, padding)).astype(dtype)
-    return x, w, b, padding, dy
+    return stride1_conv.inputs(rng, (N, C, H, W), (Co, C, 3, 3), padding, dtype, bias)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -68,17 +51,8 @@ def test_winograd_equals_im2col_in_float64(case, rng):
 @pytest.mark.parametrize("case", CASES[:5] + LANE_CASES[:1])
 def test_winograd_gradients_match_central_differences(case, rng):
     x, w, b, padding, _ = _inputs(rng, case, np.float64)
-    proj = rng.standard_normal(conv.conv2d_output_shape(x.shape, w.shape, 1, padding))
-    _, dx, dw, db = _winograd(x, w, b, padding, proj)
-
-    def loss():
-        y = np.empty(proj.shape)
-        winograd.winograd_forward(y, x, w, b, padding)
-        return float(np.sum(y * proj))
-
-    assert_gradient("x", dx, loss, x)
-    assert_gradient("w", dw - 0.5, loss, w)
-    assert_gradient("b", db - 0.25, loss, b)
+    stride1_conv.assert_gradients_match_central_differences(
+        winograd.winograd_forward, winograd.winograd_backward, x, w, b, padding, rng)
 
 
 # float32 tolerance: F(2x2, 3x3)'s transforms add up to 4 terms before and after the
@@ -92,16 +66,8 @@ F32_TOL = dict(rtol=1e-4, atol=1e-4)
 def test_winograd_float32_matches_pytorch(case, rng):
     torch = require_torch()
     x, w, b, padding, dy = _inputs(rng, case, np.float32)
-    xt = torch.tensor(x, requires_grad=True)
-    wt = torch.tensor(w, requires_grad=True)
-    bt = torch.tensor(b, requires_grad=True)
-    yt = torch.nn.functional.conv2d(xt, wt, bt, 1, padding)
-    yt.backward(torch.tensor(dy))
-    y, dx, dw, db = _winograd(x, w, b, padding, dy)
-    np.testing.assert_allclose(y, yt.detach().numpy(), **F32_TOL)
-    np.testing.assert_allclose(dx, xt.grad.numpy(), **F32_TOL)
-    np.testing.assert_allclose(dw - 0.5, wt.grad.numpy(), rtol=1e-4, atol=1e-3)
-    np.testing.assert_allclose(db - 0.25, bt.grad.numpy(), rtol=1e-4, atol=1e-3)
+    stride1_conv.assert_float32_matches_pytorch(
+        torch, winograd.winograd_forward, winograd.winograd_backward, x, w, b, padding, dy, F32_TOL)
 
 
 def test_winograd_without_bias_or_input_gradient(rng):
@@ -162,9 +128,9 @@ def test_conv2d_layer_picks_winograd_where_preferred_and_both_agree(rng):
     assert not winograd.winograd_preferred((64, 64, 2, 2), (64, 64, 3, 3), 1, 1)
     assert not winograd.winograd_preferred((64, 3, 32, 32), (64, 3, 3, 3), 1, 1)
     assert not winograd.winograd_preferred((64, 64, 32, 32), (64, 64, 3, 3), 2, 1)
-    layer = nn.Conv2d(16, 8, 3, padding=1, generator=rng)
-    x = rng.standard_normal((2, 16, 16, 16)).astype(np.float32)
-    dy = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
+    layer = nn.Conv2d(64, 32, 3, padding=1, generator=rng)
+    x = rng.standard_normal((2, 64, 16, 16)).astype(np.float32)
+    dy = rng.standard_normal((2, 32, 16, 16)).astype(np.float32)
     results = {}
     for algorithm in ("auto", "gemm", "winograd"):
         layer.algorithm = algorithm
@@ -172,7 +138,7 @@ def test_conv2d_layer_picks_winograd_where_preferred_and_both_agree(rng):
         y = layer.forward(x).copy()
         dx = layer.backward(dy)
         results[algorithm] = (y, None if dx is None else dx.copy(), layer.weight.grad.copy())
-        assert layer._winograd == (algorithm != "gemm")
+        assert layer.kernel == ("gemm" if algorithm == "gemm" else "winograd")
     for a, b in zip(results["winograd"], results["gemm"]):
         if a is not None:
             np.testing.assert_allclose(a, b, **F32_TOL)

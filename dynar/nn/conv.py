@@ -1,19 +1,31 @@
-"""Conv2d over NCHW float32, weights OIHW: im2col/GEMM, or Winograd F(2x2, 3x3) for the 3x3
-stride-1 layers where it is faster."""
+"""Conv2d over NCHW float32, weights OIHW: im2col/GEMM, Winograd F(2x2, 3x3) on the 3x3
+stride-1 layers where it is faster, or the direct kernels on stride-1 layers with few
+channels."""
 import numpy as np
 
 from ..kernels.conv import conv2d_backward, conv2d_forward, conv2d_output_shape
+from ..kernels.direct import direct_backward, direct_forward, direct_preferred, direct_supports
 from ..kernels.winograd import (winograd_backward, winograd_forward, winograd_preferred,
                                 winograd_supports)
 from . import init
 from .module import Module
 from .parameter import Parameter
 
-ALGORITHMS = ("auto", "gemm", "winograd")
+ALGORITHMS = ("auto", "gemm", "winograd", "direct")
 
 
 def _pair(v):
     return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def preferred_kernel(x_shape, w_shape, stride, padding):
+    """The kernel "auto" runs a layer on, by measurement (`python -m perf kernels`): the
+    direct kernels for few channel pairs, else Winograd for 3x3 stride-1 layers, else
+    im2col/GEMM ("gemm")."""
+    for name, preferred in (("direct", direct_preferred), ("winograd", winograd_preferred)):
+        if preferred(x_shape, w_shape, stride, padding):
+            return name
+    return "gemm"
 
 
 class Conv2d(Module):
@@ -34,12 +46,13 @@ class Conv2d(Module):
         self._algorithm = "auto"
         self._x = self._y = self._dx = None
         self._x_shape = None
-        self._winograd = False
+        self._kernel = "gemm"   # the algorithm the current input shape runs on
 
     @property
     def algorithm(self):
-        """"auto" (Winograd where winograd_preferred says so, else im2col/GEMM), "gemm" or
-        "winograd" (3x3, stride 1 only)."""
+        """"auto" (the direct kernels where direct_preferred says so, else Winograd where
+        winograd_preferred does, else im2col/GEMM), "gemm", "winograd" (3x3, stride 1 only)
+        or "direct" (stride 1 only)."""
         return self._algorithm
 
     @algorithm.setter
@@ -49,6 +62,9 @@ class Conv2d(Module):
         if value == "winograd" and not winograd_supports(self.weight.shape, self.stride):
             raise ValueError(f"Conv2d.algorithm: winograd needs a 3x3 kernel at stride 1, "
                              f"this layer has {self.kernel_size} at stride {self.stride}")
+        if value == "direct" and not direct_supports(self.weight.shape, self.stride):
+            raise ValueError(f"Conv2d.algorithm: direct needs stride 1, this layer has "
+                             f"stride {self.stride}")
         self._algorithm = value
         self._x_shape = None   # choose again at the next forward
 
@@ -57,11 +73,11 @@ class Conv2d(Module):
             self._x_shape = x.shape
             self._y = np.empty(conv2d_output_shape(x.shape, self.weight.shape, self.stride,
                                                    self.padding), np.float32)
-            self._winograd = self._algorithm == "winograd" or (
-                self._algorithm == "auto" and winograd_preferred(
-                    x.shape, self.weight.shape, self.stride, self.padding))
+            self._kernel = self._choose(x.shape)
         bias = None if self.bias is None else self.bias.data
-        if self._winograd:
+        if self._kernel == "direct":
+            direct_forward(self._y, x, self.weight.data, bias, self.padding)
+        elif self._kernel == "winograd":
             winograd_forward(self._y, x, self.weight.data, bias, self.padding)
         else:
             conv2d_forward(self._y, x, self.weight.data, bias, self.stride, self.padding)
@@ -73,7 +89,10 @@ class Conv2d(Module):
         if self.input_requires_grad:
             dx = self._dx = self._reuse(self._dx, self._x_shape)
         db = None if self.bias is None else self.bias.grad
-        if self._winograd:
+        if self._kernel == "direct":
+            direct_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
+                            self.padding)
+        elif self._kernel == "winograd":
             winograd_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
                               self.padding)
         else:
@@ -81,6 +100,16 @@ class Conv2d(Module):
                             self.stride, self.padding)
         self._grad_ready()
         return dx
+
+    @property
+    def kernel(self):
+        """The algorithm the last forward ran: "gemm", "winograd" or "direct"."""
+        return self._kernel
+
+    def _choose(self, x_shape):
+        if self._algorithm != "auto":
+            return self._algorithm
+        return preferred_kernel(x_shape, self.weight.shape, self.stride, self.padding)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
