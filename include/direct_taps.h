@@ -9,7 +9,7 @@
  * input vector feeds one multiply-add per output channel of the block (up to 6); in the
  * weight gradient each loaded vector of the output gradient feeds one per tap of a run of
  * up to 5 neighbouring taps, and each input vector one per channel (up to 4). Block sizes
- * are compile-time constants in every call (the DIRECT_CONST4/6 dispatch), so the
+ * are compile-time constants in every call (the DIRECT_CONST dispatch), so the
  * accumulators stay in registers and short blocks waste nothing. Vector types (GCC and
  * Clang extensions) pin the vectorization down: left to itself GCC vectorized the weight
  * gradient across channels, with gathers. */
@@ -17,17 +17,43 @@
 #define DYNAR_DIRECT_TAPS_H
 #include <stddef.h>
 
+/* DIRECT_LANES floats make one vector register. Register blocks, at most: output channels x
+ * vectors of positions in the correlation (CB x NV), output channels x taps in the weight
+ * gradient (GB x JB); with the vectors they load, 29 and 26 registers where there are 32
+ * (x86-64 with AVX-512, aarch64), 13 where there are 16. */
 #if defined(__AVX512F__)
 #define DIRECT_LANES 16
-#else
+#elif defined(__AVX__)
 #define DIRECT_LANES 8
+#else
+#define DIRECT_LANES 4
 #endif
-/* Register blocks, at most: output channels x vectors of positions in the correlation,
- * output channels x taps in the weight gradient. */
+#if defined(__AVX512F__) || defined(__aarch64__)
 #define DIRECT_CB 6
 #define DIRECT_NV 4
 #define DIRECT_GB 4
 #define DIRECT_JB 5
+#else
+#define DIRECT_CB 3
+#define DIRECT_NV 3
+#define DIRECT_GB 3
+#define DIRECT_JB 3
+#endif
+
+/* Up to how many channel pairs (C_in * C_out) nn.Conv2d prefers these kernels (pyx/direct.pyx,
+ * direct_preferred). The BLAS behind im2col picks its kernels for the CPU at run time; these
+ * are as wide as the build's flags allow. Measured against it on a Zen 4 (forward + backward,
+ * batch 64): built for AVX-512, 1.7-2.7x im2col up to 1024 pairs (32 -> 32 3x3 at 16x16:
+ * 1.74x); for AVX2 (-march=haswell), 1.0-1.7x up to 192 (32 -> 32: 0.93x); for SSE2, the
+ * x86-64 baseline of portable builds, 0.4-0.8x: never preferred. On aarch64 (NEON, as wide as
+ * its BLAS's kernels) the AVX2 bound until measured on hardware. */
+#if defined(__AVX512F__)
+#define DIRECT_PREFERRED_MAX_PAIRS 1024
+#elif defined(__AVX2__) || defined(__aarch64__)
+#define DIRECT_PREFERRED_MAX_PAIRS 256
+#else
+#define DIRECT_PREFERRED_MAX_PAIRS 0
+#endif
 #define DIRECT_QB (DIRECT_NV * DIRECT_LANES)    /* positions per correlation block */
 
 #define DIRECT_INLINE static inline __attribute__((always_inline))
@@ -45,23 +71,19 @@
 #endif
 #define DIRECT_IN_REGISTER_d(v) ((void)0)
 
-/* F(args..., n) with n as a constant, 1..4 or 1..6: each case compiles to its own
- * specialization. */
-#define DIRECT_CONST4(n, F, ...)                                                             \
+/* F(args..., n) with n, which is at most max (a constant, at most 6), as a constant: each
+ * case compiles to its own specialization; cases past max are never taken and compile
+ * as max. */
+#define DIRECT_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define DIRECT_CONST(max, n, F, ...)                                                         \
     do {                                                                                    \
         switch (n) {                                                                        \
-        case 4: F(__VA_ARGS__, 4); break;                                                   \
-        case 3: F(__VA_ARGS__, 3); break;                                                   \
+        case 6: F(__VA_ARGS__, DIRECT_MIN(6, max)); break;                                  \
+        case 5: F(__VA_ARGS__, DIRECT_MIN(5, max)); break;                                  \
+        case 4: F(__VA_ARGS__, DIRECT_MIN(4, max)); break;                                  \
+        case 3: F(__VA_ARGS__, DIRECT_MIN(3, max)); break;                                  \
         case 2: F(__VA_ARGS__, 2); break;                                                   \
         default: F(__VA_ARGS__, 1); break;                                                  \
-        }                                                                                   \
-    } while (0)
-#define DIRECT_CONST6(n, F, ...)                                                             \
-    do {                                                                                    \
-        switch (n) {                                                                        \
-        case 6: F(__VA_ARGS__, 6); break;                                                   \
-        case 5: F(__VA_ARGS__, 5); break;                                                   \
-        default: DIRECT_CONST4(n, F, __VA_ARGS__); break;                                   \
         }                                                                                   \
     } while (0)
 
@@ -113,8 +135,9 @@ DIRECT_INLINE void direct_correlate_cb_##SUFFIX(                                
         direct_correlate_block_##SUFFIX(out, out_ld, in, plane, Wp, w, bias, C, kh, kw,     \
                                         co0, q0, cb, DIRECT_NV);                            \
     if (q0 < npos)                                                                          \
-        DIRECT_CONST4((npos - q0) / DIRECT_LANES, direct_correlate_block_##SUFFIX, out,      \
-                     out_ld, in, plane, Wp, w, bias, C, kh, kw, co0, q0, cb);               \
+        DIRECT_CONST(DIRECT_NV - 1, (npos - q0) / DIRECT_LANES,                             \
+                     direct_correlate_block_##SUFFIX, out, out_ld, in, plane, Wp, w, bias,  \
+                     C, kh, kw, co0, q0, cb);                                               \
 }                                                                                           \
                                                                                             \
 /* out[co * out_ld + q] = bias[co] (0 without bias)                                       \
@@ -129,8 +152,8 @@ static void direct_correlate_##SUFFIX(REAL *restrict out, ptrdiff_t out_ld,     
 {                                                                                           \
     for (ptrdiff_t co0 = 0; co0 < Co; co0 += DIRECT_CB) {                                   \
         const ptrdiff_t cb = Co - co0 < DIRECT_CB ? Co - co0 : DIRECT_CB;                   \
-        DIRECT_CONST6(cb, direct_correlate_cb_##SUFFIX, out, out_ld, in, plane, Wp, w, bias, \
-                     C, kh, kw, co0, npos);                                                 \
+        DIRECT_CONST(DIRECT_CB, cb, direct_correlate_cb_##SUFFIX, out, out_ld, in, plane,   \
+                     Wp, w, bias, C, kh, kw, co0, npos);                                    \
     }                                                                                       \
 }                                                                                           \
                                                                                             \
@@ -173,8 +196,8 @@ DIRECT_INLINE void direct_weight_grad_gb_##SUFFIX(                              
         direct_weight_grad_block_##SUFFIX(lanes, g, g_ld, xs + j, taps, npos, co0, t + j,   \
                                           gb, DIRECT_JB);                                   \
     if (j < kw)                                                                             \
-        DIRECT_CONST4(kw - j, direct_weight_grad_block_##SUFFIX, lanes, g, g_ld, xs + j,     \
-                     taps, npos, co0, t + j, gb);                                           \
+        DIRECT_CONST(DIRECT_JB - 1, kw - j, direct_weight_grad_block_##SUFFIX, lanes, g,    \
+                     g_ld, xs + j, taps, npos, co0, t + j, gb);                             \
 }                                                                                           \
                                                                                             \
 /* lanes[(co * C * kh * kw + t) * DIRECT_LANES + l], t = (c * kh + i) * kw + j, += the sum  \
@@ -191,7 +214,7 @@ static void direct_weight_grad_##SUFFIX(REAL *restrict lanes, const REAL *restri
         for (ptrdiff_t i = 0; i < kh; i++)                                                  \
             for (ptrdiff_t co0 = 0; co0 < Co; co0 += DIRECT_GB) {                           \
                 const ptrdiff_t gb = Co - co0 < DIRECT_GB ? Co - co0 : DIRECT_GB;           \
-                DIRECT_CONST4(gb, direct_weight_grad_gb_##SUFFIX, lanes, g, g_ld,            \
+                DIRECT_CONST(DIRECT_GB, gb, direct_weight_grad_gb_##SUFFIX, lanes, g, g_ld, \
                              in + c * plane + i * Wp, taps, npos, co0, (c * kh + i) * kw,   \
                              kw);                                                           \
             }                                                                               \

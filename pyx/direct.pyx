@@ -47,6 +47,7 @@ cdef extern from "plane_rows.h" nogil:
 cdef extern from "direct_taps.h" nogil:
     enum:
         DIRECT_LANES
+        DIRECT_PREFERRED_MAX_PAIRS
     void direct_correlate_f(float* out, Py_ssize_t out_ld, const float* inp, Py_ssize_t plane,
                             Py_ssize_t Wp, const float* w, const float* bias, Py_ssize_t Co,
                             Py_ssize_t C, Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t npos)
@@ -74,14 +75,17 @@ def direct_supports(w_shape, stride=1):
 
 
 # Where the direct kernels beat the others (`python -m perf kernels`, batch 64, forward +
-# backward, 2 threads of a Zen 4): up to 1024 channel pairs (C_in * C_out) they run 1.7-2.7x
-# im2col/GEMM (LeNet's layers, 3-channel first layers, 16 -> 32 5x5, 32 -> 32 3x3) and
-# 1.1-3x Winograd on 3x3 layers with 16x16 outputs or more; past that BLAS's blocked GEMM
-# and Winograd reuse loads better (64 -> 64 at 32x32: 0.94x Winograd; 128 -> 128: 0.5x).
-# On smaller planes the columns computed past each row's end cost more and Winograd's lane
-# kernels win (16 -> 16 at 8x8: 0.9x, 32 -> 32 at 8x8: 0.56x).
-DEF PREFERRED_MAX_CHANNEL_PAIRS = 1024
+# backward, 2 threads of a Zen 4, built for AVX-512): up to 1024 channel pairs
+# (C_in * C_out) they run 1.7-2.7x im2col/GEMM (LeNet's layers, 3-channel first layers,
+# 16 -> 32 5x5, 32 -> 32 3x3) and 1.1-3x Winograd on 3x3 layers with 16x16 outputs or more;
+# past that BLAS's blocked GEMM and Winograd reuse loads better (64 -> 64 at 32x32: 0.94x
+# Winograd; 128 -> 128: 0.5x). How many pairs depends on the vector width the build has
+# (DIRECT_PREFERRED_MAX_PAIRS, include/direct_taps.h). On planes under 16x16 the columns
+# computed past each row's end cost more and Winograd's lane kernels win on 3x3 layers
+# (16 -> 16 at 8x8: 0.9x, 32 -> 32 at 8x8: 0.56x).
 DEF PREFERRED_MIN_PIXELS_3X3 = 256
+# Channel pairs up to which this build prefers the direct kernels.
+PREFERRED_MAX_PAIRS = DIRECT_PREFERRED_MAX_PAIRS
 
 
 def direct_preferred(x_shape, w_shape, stride=1, padding=0):
@@ -93,7 +97,7 @@ def direct_preferred(x_shape, w_shape, stride=1, padding=0):
     pixels = (xs[2] + 2 * ph - ws[2] + 1) * (xs[3] + 2 * pw - ws[3] + 1)
     if ws[2] == 3 and ws[3] == 3 and pixels < PREFERRED_MIN_PIXELS_3X3:
         return False
-    return ws[0] * ws[1] <= PREFERRED_MAX_CHANNEL_PAIRS
+    return ws[0] * ws[1] <= DIRECT_PREFERRED_MAX_PAIRS
 
 
 cdef inline Py_ssize_t _round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
