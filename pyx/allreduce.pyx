@@ -48,6 +48,9 @@ from mpi4py.MPI cimport Comm
 
 from _validate cimport F32, FloatKind, check_float, data, float_kind
 
+from dynar.dist import wire
+from dynar.dist.nodes import split_by_node
+
 cnp.import_array()
 
 cdef extern from "mpi_vendor.h":
@@ -61,7 +64,7 @@ cdef extern from "wire16.h" nogil:
 
 COMPILED_VENDOR = DYNAR_MPI_VENDOR.decode()
 ALGORITHMS = ("mpi", "ring", "recursive_doubling", "rabenseifner", "hierarchical")
-WIRES = ("fp16", "bf16")
+WIRES = wire.FORMATS
 
 # MPI counts are C ints: one message carries at most this many elements.
 DEF MAX_PART = 1 << 30
@@ -503,10 +506,7 @@ cdef class Collective:
         from mpi4py import MPI
         self._comm = comm.Dup()       # private: our messages never match the caller's
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
-        if node_key is None:
-            self._local = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        else:
-            self._local = self._comm.Split(color=int(node_key), key=self.rank)
+        self._local = split_by_node(self._comm, node_key)
         self.local_rank, self.local_size = self._local.Get_rank(), self._local.Get_size()
         self._leaders = self._comm.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, self.rank)
         self.nodes = self._comm.allreduce(1 if self.local_rank == 0 else 0)

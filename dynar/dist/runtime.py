@@ -8,6 +8,8 @@ that is refused here with the fix spelled out.
 """
 import os
 
+from . import nodes
+
 _state = {}
 
 
@@ -66,8 +68,7 @@ def allreduce():
 def collective(comm, reduce_threads=1):
     """dynar's allreduce algorithms over `comm` (a Collective; collective to create). Nodes
     are found as node_layout() finds them, DYNAR_NODE_KEY included."""
-    key = os.environ.get("DYNAR_NODE_KEY")
-    return allreduce().Collective(comm, node_key=None if key is None else int(key),
+    return allreduce().Collective(comm, node_key=nodes.env_node_key(),
                                   reduce_threads=reduce_threads)
 
 
@@ -88,12 +89,7 @@ def node_layout(comm):
     """(ranks on this node, this rank's index on its node, number of nodes), from
     MPI_Comm_split_type(SHARED). DYNAR_NODE_KEY (a test override) splits by that key
     instead, to emulate several nodes on one machine."""
-    MPI = mpi()
-    key = os.environ.get("DYNAR_NODE_KEY")
-    if key is not None:
-        local = comm.Split(color=int(key), key=comm.Get_rank())
-    else:
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local = nodes.split_by_node(comm, nodes.env_node_key())
     leaders = comm.allreduce(1 if local.Get_rank() == 0 else 0)
     layout = (local.Get_size(), local.Get_rank(), leaders)
     local.Free()

@@ -32,12 +32,12 @@ import time
 
 import numpy as np
 
-from . import planner, runtime, tuning
+from . import planner, runtime, tuning, wire
 from .online import OnlinePlanner
 from .trace import COMMUNICATION, TRAINING
 
 MODES = planner.MODES + ("dynamic",)
-COMPRESSION = ("fp16", "bf16")
+COMPRESSION = wire.FORMATS
 
 
 

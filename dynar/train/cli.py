@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from .. import data, models
+from ..dist import wire
 from ..dist.job import Job
 from .loop import SCHEDULES, TrainConfig, train
 
@@ -110,7 +111,7 @@ def build_parser():
            "fused (one allreduce after backward), buckets (fixed-size, overlapped)")
     a("--bucket-mb", type=_positive_float, default=25.0,
       help="bucket size for --sync buckets (and dynamic's first, measuring steps)")
-    a("--compress", choices=["fp16", "bf16"],
+    a("--compress", choices=wire.FORMATS,
       help="16-bit gradients on the wire (float32 sums, error feedback); off by default")
     a("--trace", metavar="FILE",
       help="write a Chrome/Perfetto trace of every rank's steps: per-layer backward and "
