@@ -18,10 +18,9 @@ contiguous run of the plane (include/direct_taps.h). Per image:
 The columns past W_out cost (Wp - W_out) / W_out more multiply-adds than the convolution
 has; with few channels that is still far less than im2col's copies.
 
-Parallelism: `prange` over images. Each thread sums its weight gradient in vector lanes of
-its own; after the images the lanes and threads are added in a fixed order, so a run is
-deterministic for a given thread count. The bias gradient is a parallel sum over output
-channels.
+Parallelism: `prange` over images. Each thread sums its weight and bias gradients in vector
+lanes of its own; after the images the lanes and threads are added in a fixed order, so a
+run is deterministic for a given thread count.
 """
 from cython cimport floating
 from cython.parallel cimport prange, parallel, threadid
@@ -277,11 +276,6 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
             dw[k] += <floating> acc
         else:
             db[k - wsize] += <floating> acc
-
-
-cdef _require_supported(object stride):
-    if not direct_supports(None, stride):
-        raise ValueError(f"direct: needs stride 1, got stride {stride!r}")
 
 
 def direct_forward(y, x, w, b=None, padding=0):
