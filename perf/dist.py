@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from dynar.dist import online
+
 from . import harness
 from .models import ROOT, WARMUP
 
@@ -64,13 +66,22 @@ def _single(argv, env=None):
                           env=dict(_env(), **(env or {})), timeout=1800)
 
 
-def _dynar(launcher, name, variant, mode, steps):
-    """Per-step figures of `python -m dynar.train` (launcher None: one process)."""
+def _explore_steps(step_s):
+    """Steps dynamic sync may spend exploring (measuring, then one trial per candidate
+    plan, at most 6) before it runs its choice, for steps of about step_s seconds (None:
+    unknown). A trial's length follows the step's sync figure, half a step or more."""
+    trial = online.MAX_TRIAL_STEPS if step_s is None else online.trial_steps(step_s / 2)
+    return online.MEASURE_STEPS + 1 + 6 * (trial + 1)
+
+
+def _dynar(launcher, name, variant, mode, steps, step_s=None):
+    """Per-step figures of `python -m dynar.train` (launcher None: one process); step_s,
+    the step time another mode measured, sizes dynamic sync's exploration."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         # Dynamic sync explores first (measure, then one trial per candidate plan): give it
         # the steps for that on top of the measured ones.
-        explore = 36 if mode == "dynamic" else 0
+        explore = _explore_steps(step_s) if mode == "dynamic" else 0
         ranks = launcher.ranks if launcher else 1
         argv = [sys.executable, "-m", "dynar.train", "--model", name, "--dataset", "synthetic",
                 "--batch-size", str(PER_RANK * ranks),
@@ -168,14 +179,19 @@ def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True):
     records = []
     for name, variant in models:
         steps = max(3, int(STEPS[name] * steps_scale))
+        runs = {}
+        fused = ("dynar", launcher.ranks, "fused")   # runs before dynamic (MODES order)
+
+        def fused_step_s():
+            return statistics.median(runs[fused]["step"]) if fused in runs else None
+
         candidates = {("ddp", launcher.ranks, None): lambda: _ddp(launcher, name, variant, steps)}
         for mode in MODES:
             candidates[("dynar", launcher.ranks, mode)] = \
-                lambda mode=mode: _dynar(launcher, name, variant, mode, steps)
+                lambda mode=mode: _dynar(launcher, name, variant, mode, steps, fused_step_s())
         if single_rank:
             candidates[("dynar", 1, "fused")] = lambda: _dynar(None, name, variant, "fused", steps)
             candidates[("ddp", 1, None)] = lambda: _ddp(None, name, variant, steps)
-        runs = {}
         for _ in range(rounds):
             for key, fn in candidates.items():
                 for k, v in fn().items():

@@ -53,6 +53,21 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     assert trials[0]["step"] == online.MEASURE_STEPS + 1 + online.TRIAL_STEPS
 
 
+def test_trials_on_fast_steps_run_long_enough_to_tell_candidates_apart():
+    # At 0.5 ms a step, TRIAL_STEPS steps are 2 ms of timing: trials stretch to fill
+    # TRIAL_SECONDS instead (and drift checks CHECK_SECONDS), bounded.
+    events = []
+    ctl = controller(events)
+    drive(ctl, lambda name: 0.0005, 400)
+    trials = [e for e in events if e["phase"] == "trial"]
+    assert online.trial_steps(0.0005) == 40
+    assert trials[0]["step"] == online.MEASURE_STEPS + 1 + 40
+    assert trials[1]["step"] - trials[0]["step"] == 1 + 40
+    assert online.trial_steps(0.01) == online.TRIAL_STEPS
+    assert online.trial_steps(1e-6) == online.MAX_TRIAL_STEPS
+    assert online.check_steps(0.0005) == 200 and online.check_steps(0.01) == online.CHECK_STEPS
+
+
 def test_drift_starts_new_trials_and_steady_timings_do_not():
     events = []
     ctl = controller(events)

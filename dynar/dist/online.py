@@ -13,11 +13,14 @@ The phases, all decided from figures maxed over ranks so every rank switches pla
 same step (collective sequences can never differ):
 
 1. measure: MEASURE_STEPS steps on the default plan, recording each layer's ready time;
-2. trial:   each candidate plan runs TRIAL_STEPS steps; its figure is the median of
+2. trial:   each candidate plan runs trial_steps() steps; its figure is the median of
             backward span + exposed communication (the part of a step sync can change);
-3. run:     the fastest candidate; every CHECK_STEPS steps its figure is compared with the
-            one it won with, and two windows in a row drifting beyond DRIFT start a new
+3. run:     the fastest candidate; every check_steps() steps its figure is compared with
+            the one it won with, and two windows in a row drifting beyond DRIFT start a new
             trial from fresh timings.
+Trials and checks last at least TRIAL_STEPS and CHECK_STEPS steps, and on fast steps as many
+as fill TRIAL_SECONDS and CHECK_SECONDS: four steps of LeNet (0.8 ms each on 2 ranks) are
+too few to tell its candidates apart, and picked the slower one in one of two runs.
 
 Every decision is logged as a JSON event "plan" (phase trial/chosen) with the predicted and
 the measured figure.
@@ -30,8 +33,25 @@ from . import planner
 
 MEASURE_STEPS = 6      # the first is dropped: it pays for buffer allocation
 TRIAL_STEPS = 4
+TRIAL_SECONDS = 0.02
+MAX_TRIAL_STEPS = 40
 CHECK_STEPS = 20
+CHECK_SECONDS = 0.1
 DRIFT = 0.2
+
+
+def _steps_filling(seconds, sync_s, least, most):
+    return int(min(most, max(least, np.ceil(seconds / max(sync_s, 1e-9)))))
+
+
+def trial_steps(sync_s):
+    """Steps each trial runs when a step's sync figure is sync_s seconds."""
+    return _steps_filling(TRIAL_SECONDS, sync_s, TRIAL_STEPS, MAX_TRIAL_STEPS)
+
+
+def check_steps(sync_s):
+    """Steps of each drift-check window when a step's sync figure is sync_s seconds."""
+    return _steps_filling(CHECK_SECONDS, sync_s, CHECK_STEPS, 10 * CHECK_STEPS)
 
 
 def candidates(sizes_bytes, ready_s, cost, algorithms, bucket_bytes):
@@ -75,6 +95,8 @@ class OnlinePlanner:
         self._on_event = on_event
         self.bucket_bytes = bucket_bytes
         self._ready = collections.deque(maxlen=MEASURE_STEPS - 1)
+        self._recent = collections.deque(maxlen=MEASURE_STEPS - 1)   # sync figures
+        self._trial_steps, self._check_steps = TRIAL_STEPS, CHECK_STEPS
         self._skip = 1
         self._window = []
         self._trials = []          # [(name, plan)] still to try
@@ -107,7 +129,11 @@ class OnlinePlanner:
             self._algorithms = self._algorithms or self._cost.algorithms
             self._on_event({"event": "plan", "phase": "cost model", "step": self.step,
                             "source": source, "algorithms": list(self._algorithms)})
-        ready = self._agree(np.median(np.array(self._ready), axis=0))
+        # One collective for both: the layers' ready times and the sync figure, maxed.
+        agreed = self._agree(np.append(np.median(np.array(self._ready), axis=0),
+                                       np.median(self._recent)))
+        ready, sync_s = agreed[:-1], float(agreed[-1])
+        self._trial_steps, self._check_steps = trial_steps(sync_s), check_steps(sync_s)
         self._trials = self._candidates(ready)
         self._results = []
         self._reason = reason
@@ -131,13 +157,14 @@ class OnlinePlanner:
             return None
         if ready is not None:
             self._ready.append(ready)
+            self._recent.append(sync_s)
         if self.plan is None:                             # measuring on the default plan
             if len(self._ready) == self._ready.maxlen:
                 return self._start_trials("initial")
             return None
         self._window.append(sync_s)
         running = self._baseline is not None
-        if len(self._window) < (CHECK_STEPS if running else TRIAL_STEPS):
+        if len(self._window) < (self._check_steps if running else self._trial_steps):
             return None
         measured = float(self._agree(np.array([np.median(self._window)]))[0])
         self._window = []
