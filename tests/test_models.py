@@ -182,6 +182,23 @@ def _route_twin_like(torch, twin, calls):
     return handles, log
 
 
+def _twin_forward_along(torch, twin, routing, x, tie_rel=1e-3):
+    """twin(x) with its ReLUs and max pools routed as dynar's forward recorded in `routing`
+    went; asserts that dynar's route leaves float64's only at near-ties (within tie_rel of
+    the layer's largest input), and only at a handful of them."""
+    handles, log = _route_twin_like(torch, twin, routing)
+    out = twin(x)
+    for h in handles:
+        h.remove()
+    assert len(log) == len(routing), "twin and model differ in ReLU / max-pool calls"
+    for i, (kind, _, n_differ, gap) in enumerate(log):
+        assert gap <= tie_rel, (f"{kind} call {i}: {n_differ} decisions differ from float64's, "
+                                f"by up to {gap:.3g} x max|input| (near-tie limit {tie_rel})")
+    decisions, n_differ = sum(e[1] for e in log), sum(e[2] for e in log)
+    assert n_differ <= 1e-4 * decisions, f"{n_differ} of {decisions} routing decisions differ"
+    return out
+
+
 def check_parity(name, variant, batch, training, grad_rel=2e-3, tie_rel=1e-3):
     torch = require_torch()
     torch.manual_seed(0)
@@ -201,17 +218,8 @@ def check_parity(name, variant, batch, training, grad_rel=2e-3, tie_rel=1e-3):
     model.zero_grad()
     model.backward(crit.backward())
 
-    handles, log = _route_twin_like(torch, twin, routing)
-    want_logits = twin(torch.from_numpy(x).double())
-    for h in handles:
-        h.remove()
-    assert len(log) == len(routing), "twin and model differ in ReLU / max-pool calls"
-    # dynar's route may leave float64's only at near-ties, and only at a handful of them
-    for i, (kind, _, n_differ, gap) in enumerate(log):
-        assert gap <= tie_rel, (f"{kind} call {i}: {n_differ} decisions differ from float64's, "
-                                f"by up to {gap:.3g} x max|input| (near-tie limit {tie_rel})")
-    decisions, n_differ = sum(e[1] for e in log), sum(e[2] for e in log)
-    assert n_differ <= 1e-4 * decisions, f"{n_differ} of {decisions} routing decisions differ"
+    want_logits = _twin_forward_along(torch, twin, routing, torch.from_numpy(x).double(),
+                                      tie_rel)
     want_loss = torch.nn.functional.cross_entropy(want_logits, torch.from_numpy(labels))
     want_loss.backward()
 
@@ -263,10 +271,11 @@ def test_input_gradient_skipped_for_data_and_correct_when_asked():
     model.forward(x)
     assert model.backward(dy) is None            # a model's input is data: no d(input)
     model.set_input_requires_grad(True)
+    routing = _record_routing(model)             # compared along dynar's route, as above
     model.forward(x)
     dx = model.backward(dy)
     tx = torch.from_numpy(x).double().requires_grad_()
-    twin(tx).backward(torch.from_numpy(dy).double())
+    _twin_forward_along(torch, twin, routing, tx).backward(torch.from_numpy(dy).double())
     _close_norm("d(input)", dx, tx.grad.numpy(), 2e-3, 0.0)
 
 
