@@ -158,25 +158,23 @@ cdef DirectShape _plan(object xa, object wa, object padding, int* threads) excep
     return s
 
 
-cdef inline void _pad_input(floating* xp, const floating* x, const DirectShape* s) noexcept nogil:
-    """xp (C, plane) + its tail = one image x (C, H, W) with zeros around it."""
-    cdef Py_ssize_t c
-    memset(xp, 0, s.xp_size * sizeof(floating))
-    for c in range(s.C):
-        if floating is float:
-            rows_copy_f(xp + c * s.plane + s.ph * s.Wp + s.pw, s.Wp, x + c * s.H * s.W, s.W,
-                        s.H, s.W)
-        else:
-            rows_copy_d(xp + c * s.plane + s.ph * s.Wp + s.pw, s.Wp, x + c * s.H * s.W, s.W,
-                        s.H, s.W)
-
-
 cdef inline void _rows_copy(floating* dst, Py_ssize_t dst_ld, const floating* src,
                             Py_ssize_t src_ld, Py_ssize_t rows, Py_ssize_t n) noexcept nogil:
     if floating is float:
         rows_copy_f(dst, dst_ld, src, src_ld, rows, n)
     else:
         rows_copy_d(dst, dst_ld, src, src_ld, rows, n)
+
+
+# The padded buffers (xp, gz) are zeroed once per call and thread: every image then
+# overwrites the same interior positions, so the padding, the columns past each row and the
+# tails stay zero.
+
+cdef inline void _pad_input(floating* xp, const floating* x, const DirectShape* s) noexcept nogil:
+    """The interior of xp (C, plane), zero around it = one image x (C, H, W)."""
+    cdef Py_ssize_t c
+    for c in range(s.C):
+        _rows_copy(xp + c * s.plane + s.ph * s.Wp + s.pw, s.Wp, x + c * s.H * s.W, s.W, s.H, s.W)
 
 
 cdef inline void _correlate(floating* out, Py_ssize_t out_ld, const floating* inp,
@@ -202,6 +200,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     with parallel(num_threads=threads):
         xp = work + threadid() * per_thread
         out = xp + s.xp_size
+        memset(xp, 0, s.xp_size * sizeof(floating))
         for n in prange(s.N, schedule="static"):
             _pad_input(xp, x + n * s.C * s.H * s.W, &s)
             _correlate(out, s.Lq, xp, s.plane, s.Wp, w, b, s.Co, s.C, s.kh, s.kw, s.Lq)
@@ -241,9 +240,9 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         dxp = xp + s.xp_size + s.gz_size
         lanes = xp + lanes_at
         memset(lanes, 0, (wsize + s.Co) * DIRECT_LANES * sizeof(floating))
+        memset(xp, 0, (s.xp_size + s.gz_size) * sizeof(floating))
         for n in prange(s.N, schedule="static"):
             _pad_input(xp, x + n * s.C * s.H * s.W, &s)
-            memset(xp + s.xp_size, 0, s.gz_size * sizeof(floating))
             for co in range(s.Co):
                 _rows_copy(gz + co * s.gz_plane + s.lead, s.Wp,
                            dy + (n * s.Co + co) * s.Ho * s.Wo, s.Wo, s.Ho, s.Wo)
