@@ -26,6 +26,7 @@ MODULES = {
     "conv": "dynar.kernels.conv",
     "winograd": "dynar.kernels.winograd",
     "direct": "dynar.kernels.direct",
+    "tapgemm": "dynar.kernels.tapgemm",
     "pool": "dynar.kernels.pool",
     "activation": "dynar.kernels.activation",
     "linear": "dynar.kernels.linear",

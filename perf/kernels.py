@@ -5,8 +5,8 @@ For every conv layer shape of LeNet (MNIST) and AlexNet, VGG-16 and ResNet-18 (C
 torch.nn.functional.conv2d's with the same thread count, and the float32 GEMM ceiling
 (numpy `a @ b` at 2048^3) measured in the same run. "dynar" is the algorithm nn.Conv2d picks
 (nn.conv.preferred_kernel); every algorithm that supports the layer is timed too (im2col/GEMM
-always, the direct kernels at stride 1, Winograd on 3x3 stride 1), which is the measurement
-behind that choice. Winograd's GFLOP/s count the direct convolution's multiply-adds, so they
+and the per-tap GEMMs always, the direct kernels at stride 1, Winograd on 3x3 stride 1), which
+is the measurement behind that choice. Winograd's GFLOP/s count the direct convolution's multiply-adds, so they
 can exceed the ceiling.
 """
 import numpy as np
@@ -48,11 +48,12 @@ LAYERS = [
 
 
 # Table names of nn.Conv2d's kernels.
-ALGORITHMS = {"gemm": "im2col", "winograd": "winograd", "direct": "direct"}
+ALGORITHMS = {"gemm": "im2col", "winograd": "winograd", "direct": "direct",
+              "tapgemm": "tapgemm"}
 
 
 def _layer_candidates(torch, C, Co, k, s, p, H, rng):
-    from dynar.kernels import conv, direct, winograd
+    from dynar.kernels import conv, direct, tapgemm, winograd
     from dynar.nn.conv import preferred_kernel
 
     x = rng.standard_normal((BATCH, C, H, H), dtype=np.float32)
@@ -73,6 +74,8 @@ def _layer_candidates(torch, C, Co, k, s, p, H, rng):
         "im2col_fwd": lambda: conv.conv2d_forward(y, x, w, None, s, p),
         "torch_fwd": lambda: F.conv2d(xt, wt, None, s, p),
         "im2col_bwd": lambda: conv.conv2d_backward(dx, dw, None, dy, x, w, s, p),
+        "tapgemm_fwd": lambda: tapgemm.tapgemm_forward(y, x, w, None, s, p),
+        "tapgemm_bwd": lambda: tapgemm.tapgemm_backward(dx, dw, None, dy, x, w, s, p),
         # autograd needs the forward graph: time forward+backward, subtract the forward.
         "torch_fwd_bwd": torch_backward,
     }

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from . import harness
+from .kernels import ALGORITHMS
 
 MODELS = [("lenet", "mnist"), ("alexnet", "cifar"), ("vgg16_bn", "cifar"), ("resnet18", "cifar")]
 BATCH = 64
@@ -44,7 +45,7 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None):
 def _layer_kind(module):
     kind = type(module).__name__
     if kind == "Conv2d":
-        return f"Conv2d {module.kernel}"
+        return f"Conv2d {ALGORITHMS[module.kernel]}"
     return kind
 
 

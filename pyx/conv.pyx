@@ -21,6 +21,7 @@ cimport openmp
 
 from _blas cimport gemm
 from _scratch cimport Scratch, scratch_give, scratch_take
+from _tap_range cimport tap_end_valid, tap_first_valid
 from _convargs cimport check_conv_backward, check_conv_forward, conv_output_shape
 from _validate cimport F32, FloatKind, check_blas_dim, check_pair, data
 
@@ -32,26 +33,6 @@ cdef Scratch _scratch   # im2col tiles and weight-gradient partials, reused acro
 DEF GEMM_MIN_COLUMNS = 256
 # Bytes of the im2col tile unfolded at once when one image is large (about half an L2).
 DEF COL_TILE_BYTES = 512 * 1024
-
-
-cdef inline Py_ssize_t _valid_lo(Py_ssize_t pad, Py_ssize_t offset, Py_ssize_t stride,
-                                 Py_ssize_t out_size) noexcept nogil:
-    """First output index o with o*stride - pad + offset >= 0."""
-    cdef Py_ssize_t need = pad - offset
-    if need <= 0:
-        return 0
-    need = (need + stride - 1) // stride
-    return need if need < out_size else out_size
-
-
-cdef inline Py_ssize_t _valid_hi(Py_ssize_t pad, Py_ssize_t offset, Py_ssize_t stride,
-                                 Py_ssize_t in_size, Py_ssize_t out_size) noexcept nogil:
-    """One past the last output index o with o*stride - pad + offset < in_size."""
-    cdef Py_ssize_t last = in_size - 1 + pad - offset
-    if last < 0:
-        return 0
-    last = last // stride + 1
-    return last if last < out_size else out_size
 
 
 cdef extern from "plane_rows.h" nogil:
@@ -69,8 +50,8 @@ cdef inline void _valid_rows(const ConvShape* s, Py_ssize_t i, Py_ssize_t oh0, P
                              Py_ssize_t* top, Py_ssize_t* bottom) noexcept nogil:
     """Output rows [top, bottom) of [oh0, oh1) that kernel row i reads from a real input
     row; the others read padding."""
-    cdef Py_ssize_t t = _valid_lo(s.ph, i, s.sh, s.Ho)
-    cdef Py_ssize_t b = _valid_hi(s.ph, i, s.sh, s.H, s.Ho)
+    cdef Py_ssize_t t = tap_first_valid(s.ph, i, s.sh, s.Ho)
+    cdef Py_ssize_t b = tap_end_valid(s.ph, i, s.sh, s.H, s.Ho)
     t = oh0 if t < oh0 else (oh1 if t > oh1 else t)
     top[0] = t
     bottom[0] = t if b < t else (oh1 if b > oh1 else b)
@@ -79,8 +60,8 @@ cdef inline void _valid_rows(const ConvShape* s, Py_ssize_t i, Py_ssize_t oh0, P
 cdef inline void _valid_columns(const ConvShape* s, Py_ssize_t j, Py_ssize_t* lo,
                                 Py_ssize_t* hi) noexcept nogil:
     """Output columns [lo, hi) that kernel column j reads from a real input column."""
-    lo[0] = _valid_lo(s.pw, j, s.sw, s.Wo)
-    hi[0] = _valid_hi(s.pw, j, s.sw, s.W, s.Wo)
+    lo[0] = tap_first_valid(s.pw, j, s.sw, s.Wo)
+    hi[0] = tap_end_valid(s.pw, j, s.sw, s.W, s.Wo)
     if hi[0] < lo[0]:
         hi[0] = lo[0]
 

@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from dynar import nn
 from dynar.kernels import direct
-import stride1_conv
+import conv_checks
 from conftest import at_thread_counts, require_torch
 
 # (N, C_in, H, W, C_out, kh, kw, padding): LeNet's two layers; 3x3 and 1x1 kernels;
@@ -25,13 +25,13 @@ CASES = [
 
 
 def _direct(x, w, b, padding, dy, with_dx=True):
-    return stride1_conv.run(direct.direct_forward, direct.direct_backward, x, w, b, padding,
+    return conv_checks.run(direct.direct_forward, direct.direct_backward, x, w, b, padding,
                             dy, with_dx)
 
 
 def _inputs(rng, case, dtype, bias=True):
     N, C, H, W, Co, kh, kw, padding = case
-    return stride1_conv.inputs(rng, (N, C, H, W), (Co, C, kh, kw), padding, dtype, bias)
+    return conv_checks.inputs(rng, (N, C, H, W), (Co, C, kh, kw), padding, dtype, bias)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -39,14 +39,14 @@ def test_direct_equals_im2col_in_float64(case, rng):
     # Both sum the same products, in another order: float64 agrees to ~1e-15 relative.
     args = _inputs(rng, case, np.float64)
     for name, got, want in zip(("y", "dx", "dw", "db"), _direct(*args),
-                               stride1_conv.im2col(*args)):
+                               conv_checks.im2col(*args)):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
 
 
 @pytest.mark.parametrize("case", CASES[2:6])
 def test_direct_gradients_match_central_differences(case, rng):
     x, w, b, padding, _ = _inputs(rng, case, np.float64)
-    stride1_conv.assert_gradients_match_central_differences(
+    conv_checks.assert_gradients_match_central_differences(
         direct.direct_forward, direct.direct_backward, x, w, b, padding, rng)
 
 
@@ -59,14 +59,14 @@ F32_TOL = dict(rtol=1e-4, atol=1e-4)
 def test_direct_float32_matches_pytorch(case, rng):
     torch = require_torch()
     x, w, b, padding, dy = _inputs(rng, case, np.float32)
-    stride1_conv.assert_float32_matches_pytorch(
+    conv_checks.assert_float32_matches_pytorch(
         torch, direct.direct_forward, direct.direct_backward, x, w, b, padding, dy, F32_TOL)
 
 
 def test_direct_without_bias_or_input_gradient(rng):
     x, w, _, padding, dy = _inputs(rng, (3, 4, 6, 6, 5, 3, 3, 1), np.float64, bias=False)
     y, dx, dw, db = _direct(x, w, None, padding, dy, with_dx=False)
-    y2, _, dw2, _ = stride1_conv.im2col(x, w, None, padding, dy, with_dx=False)
+    y2, _, dw2, _ = conv_checks.im2col(x, w, None, padding, dy, with_dx=False)
     assert dx is None and db is None
     np.testing.assert_allclose(y, y2, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dw, dw2, rtol=1e-12, atol=1e-12)
@@ -118,34 +118,5 @@ def test_direct_equals_im2col_on_any_shape(N, C, H, W, Co, kh, kw, ph, pw):
         return
     args = _inputs(np.random.default_rng(N * 1000 + H * 10 + W),
                    (N, C, H, W, Co, kh, kw, (ph, pw)), np.float64)
-    for got, want in zip(_direct(*args), stride1_conv.im2col(*args)):
+    for got, want in zip(_direct(*args), conv_checks.im2col(*args)):
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
-
-
-@pytest.mark.parametrize("layer_args, x_shape, kernel", [
-    ((1, 6, 5, 1, 2), (2, 1, 28, 28), "direct"),        # LeNet
-    ((6, 16, 5), (2, 6, 14, 14), "direct"),
-    ((3, 64, 3, 1, 1), (2, 3, 32, 32), "direct"),       # a first layer of VGG and ResNet
-    ((16, 8, 3, 1, 1), (2, 16, 8, 8), "winograd"),      # 3x3 on a small plane
-    ((64, 32, 3, 1, 1), (2, 64, 16, 16), "winograd"),   # more channel pairs
-    ((3, 8, 3, 2, 1), (2, 3, 16, 16), "gemm"),          # stride 2
-])
-def test_conv2d_layer_picks_the_preferred_kernel_and_all_agree(layer_args, x_shape, kernel, rng):
-    if kernel == "direct" and layer_args[0] * layer_args[1] > direct.PREFERRED_MAX_PAIRS:
-        pytest.skip(f"this build prefers the direct kernels up to "
-                    f"{direct.PREFERRED_MAX_PAIRS} channel pairs (its vector width)")
-    layer = nn.Conv2d(*layer_args, generator=rng)
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    results = {}
-    for algorithm in ("auto", "gemm", "direct"):
-        if algorithm == "direct" and not direct.direct_supports(layer.weight.shape, layer.stride):
-            continue
-        layer.algorithm = algorithm
-        layer.zero_grad()
-        y = layer.forward(x).copy()
-        dx = layer.backward(np.ones_like(y))
-        results[algorithm] = (y, dx.copy(), layer.weight.grad.copy(), layer.bias.grad.copy())
-        assert layer.kernel == (kernel if algorithm == "auto" else algorithm)
-    for algorithm, got in results.items():
-        for a, b in zip(got, results["gemm"]):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3, err_msg=algorithm)

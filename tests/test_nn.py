@@ -60,6 +60,41 @@ def test_conv2d_matches_torch(args, kw, shape):
     run_layer(layer, twin, x, torch=torch)
 
 
+@pytest.mark.parametrize("layer_args, x_shape, kernel", [
+    ((1, 6, 5, 1, 2), (2, 1, 28, 28), "direct"),        # LeNet
+    ((6, 16, 5), (2, 6, 14, 14), "direct"),
+    ((3, 64, 3, 1, 1), (2, 3, 32, 32), "direct"),       # a first layer of VGG and ResNet
+    ((16, 8, 3, 1, 1), (2, 16, 8, 8), "winograd"),      # 3x3 on a small plane
+    ((64, 32, 3, 1, 1), (2, 64, 16, 16), "winograd"),   # more channel pairs
+    ((24, 20, 3, 1, 1), (3, 24, 2, 2), "tapgemm"),      # a 2x2 plane
+    ((3, 8, 3, 2, 1), (2, 3, 16, 16), "gemm"),          # stride 2
+])
+def test_conv2d_picks_the_preferred_kernel_and_all_kernels_agree(layer_args, x_shape, kernel,
+                                                                  rng):
+    from dynar.kernels import direct
+    if kernel == "direct" and layer_args[0] * layer_args[1] > direct.PREFERRED_MAX_PAIRS:
+        pytest.skip(f"this build prefers the direct kernels up to "
+                    f"{direct.PREFERRED_MAX_PAIRS} channel pairs (its vector width)")
+    layer = nn.Conv2d(*layer_args, generator=rng)
+    layer.set_input_requires_grad(True)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    results = {}
+    for algorithm in nn.conv.ALGORITHMS:
+        try:
+            layer.algorithm = algorithm
+        except ValueError:
+            continue   # a kernel that does not compute this layer (checked elsewhere)
+        layer.zero_grad()
+        y = layer.forward(x).copy()
+        dx = layer.backward(np.ones_like(y))
+        results[algorithm] = (y, dx.copy(), layer.weight.grad.copy(), layer.bias.grad.copy())
+        assert layer.kernel == (kernel if algorithm == "auto" else algorithm)
+    assert len(results) >= 3
+    for algorithm, got in results.items():
+        for a, b in zip(got, results["gemm"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3, err_msg=algorithm)
+
+
 def test_linear_matches_torch():
     torch = require_torch()
     for bias in (True, False):

@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from dynar import nn
 from dynar.kernels import winograd
-import stride1_conv
+import conv_checks
 from conftest import at_thread_counts, require_torch
 
 # (N, C_in, H, W, C_out, padding): odd and even planes (partial last tiles), rectangular,
@@ -28,16 +28,16 @@ LANE_CASES = CASES[-3:]
 
 
 def _winograd(x, w, b, padding, dy, with_dx=True):
-    return stride1_conv.run(winograd.winograd_forward, winograd.winograd_backward, x, w, b,
+    return conv_checks.run(winograd.winograd_forward, winograd.winograd_backward, x, w, b,
                             padding, dy, with_dx)
 
 
-_im2col = stride1_conv.im2col
+_im2col = conv_checks.im2col
 
 
 def _inputs(rng, case, dtype, bias=True):
     N, C, H, W, Co, padding = case
-    return stride1_conv.inputs(rng, (N, C, H, W), (Co, C, 3, 3), padding, dtype, bias)
+    return conv_checks.inputs(rng, (N, C, H, W), (Co, C, 3, 3), padding, dtype, bias)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -51,7 +51,7 @@ def test_winograd_equals_im2col_in_float64(case, rng):
 @pytest.mark.parametrize("case", CASES[:5] + LANE_CASES[:1])
 def test_winograd_gradients_match_central_differences(case, rng):
     x, w, b, padding, _ = _inputs(rng, case, np.float64)
-    stride1_conv.assert_gradients_match_central_differences(
+    conv_checks.assert_gradients_match_central_differences(
         winograd.winograd_forward, winograd.winograd_backward, x, w, b, padding, rng)
 
 
@@ -66,7 +66,7 @@ F32_TOL = dict(rtol=1e-4, atol=1e-4)
 def test_winograd_float32_matches_pytorch(case, rng):
     torch = require_torch()
     x, w, b, padding, dy = _inputs(rng, case, np.float32)
-    stride1_conv.assert_float32_matches_pytorch(
+    conv_checks.assert_float32_matches_pytorch(
         torch, winograd.winograd_forward, winograd.winograd_backward, x, w, b, padding, dy, F32_TOL)
 
 

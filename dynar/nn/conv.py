@@ -1,17 +1,27 @@
 """Conv2d over NCHW float32, weights OIHW: im2col/GEMM, Winograd F(2x2, 3x3) on the 3x3
-stride-1 layers where it is faster, or the direct kernels on stride-1 layers with few
-channels."""
+stride-1 layers where it is faster, the direct kernels on stride-1 layers with few channels,
+or one GEMM per kernel tap on the smallest planes."""
 import numpy as np
 
 from ..kernels.conv import conv2d_backward, conv2d_forward, conv2d_output_shape
 from ..kernels.direct import direct_backward, direct_forward, direct_preferred, direct_supports
+from ..kernels.tapgemm import tapgemm_backward, tapgemm_forward, tapgemm_preferred
 from ..kernels.winograd import (winograd_backward, winograd_forward, winograd_preferred,
                                 winograd_supports)
 from . import init
 from .module import Module
 from .parameter import Parameter
 
-ALGORITHMS = ("auto", "gemm", "winograd", "direct")
+ALGORITHMS = ("auto", "gemm", "winograd", "direct", "tapgemm")
+
+# kernel -> (forward, backward). Winograd and direct compute stride 1 only and take no stride.
+_KERNELS = {
+    "gemm": (conv2d_forward, conv2d_backward),
+    "tapgemm": (tapgemm_forward, tapgemm_backward),
+    "winograd": (winograd_forward, winograd_backward),
+    "direct": (direct_forward, direct_backward),
+}
+_STRIDE_ONE_ONLY = ("winograd", "direct")
 
 
 def _pair(v):
@@ -20,9 +30,10 @@ def _pair(v):
 
 def preferred_kernel(x_shape, w_shape, stride, padding):
     """The kernel "auto" runs a layer on, by measurement (`python -m perf kernels`): the
-    direct kernels for few channel pairs, else Winograd for 3x3 stride-1 layers, else
-    im2col/GEMM ("gemm")."""
-    for name, preferred in (("direct", direct_preferred), ("winograd", winograd_preferred)):
+    direct kernels for few channel pairs, else the per-tap GEMMs on planes of 4x4 and less,
+    else Winograd for 3x3 stride-1 layers, else im2col/GEMM ("gemm")."""
+    for name, preferred in (("direct", direct_preferred), ("tapgemm", tapgemm_preferred),
+                            ("winograd", winograd_preferred)):
         if preferred(x_shape, w_shape, stride, padding):
             return name
     return "gemm"
@@ -50,9 +61,8 @@ class Conv2d(Module):
 
     @property
     def algorithm(self):
-        """"auto" (the direct kernels where direct_preferred says so, else Winograd where
-        winograd_preferred does, else im2col/GEMM), "gemm", "winograd" (3x3, stride 1 only)
-        or "direct" (stride 1 only)."""
+        """"auto" (the kernel preferred_kernel names), "gemm" (im2col/GEMM), "winograd" (3x3,
+        stride 1 only), "direct" (stride 1 only) or "tapgemm" (one GEMM per kernel tap)."""
         return self._algorithm
 
     @algorithm.setter
@@ -75,12 +85,8 @@ class Conv2d(Module):
                                                    self.padding), np.float32)
             self._kernel = self._choose(x.shape)
         bias = None if self.bias is None else self.bias.data
-        if self._kernel == "direct":
-            direct_forward(self._y, x, self.weight.data, bias, self.padding)
-        elif self._kernel == "winograd":
-            winograd_forward(self._y, x, self.weight.data, bias, self.padding)
-        else:
-            conv2d_forward(self._y, x, self.weight.data, bias, self.stride, self.padding)
+        forward, _ = _KERNELS[self._kernel]
+        forward(self._y, x, self.weight.data, bias, *self._geometry())
         self._x = x
         return self._y
 
@@ -89,22 +95,20 @@ class Conv2d(Module):
         if self.input_requires_grad:
             dx = self._dx = self._reuse(self._dx, self._x_shape)
         db = None if self.bias is None else self.bias.grad
-        if self._kernel == "direct":
-            direct_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
-                            self.padding)
-        elif self._kernel == "winograd":
-            winograd_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
-                              self.padding)
-        else:
-            conv2d_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
-                            self.stride, self.padding)
+        _, backward = _KERNELS[self._kernel]
+        backward(dx, self.weight.grad, db, dy, self._x, self.weight.data, *self._geometry())
         self._grad_ready()
         return dx
 
     @property
     def kernel(self):
-        """The algorithm the last forward ran: "gemm", "winograd" or "direct"."""
+        """The algorithm the last forward ran: "gemm", "winograd", "direct" or "tapgemm"."""
         return self._kernel
+
+    def _geometry(self):
+        if self._kernel in _STRIDE_ONE_ONLY:
+            return (self.padding,)
+        return (self.stride, self.padding)
 
     def _choose(self, x_shape):
         if self._algorithm != "auto":

@@ -37,7 +37,7 @@ TORCH=${DYNAR_ARM_TORCH:-2.13.0}
 JOBS=${DYNAR_ARM_JOBS:-$(nproc)}
 PORTABLE=${DYNAR_ARM_PORTABLE:-auto}
 STAGES=${DYNAR_ARM_STAGES:-host rootfs pydeps copy build checks tests}
-TESTS=${DYNAR_ARM_TESTS:-tests/test_conv.py tests/test_winograd.py tests/test_direct.py \
+TESTS=${DYNAR_ARM_TESTS:-tests/test_conv.py tests/test_winograd.py tests/test_direct.py tests/test_tapgemm.py \
 tests/test_pool.py tests/test_activation.py tests/test_linear.py tests/test_batchnorm.py \
 tests/test_loss.py tests/test_sgd.py tests/test_threads.py tests/test_nn.py tests/test_models.py}
 PYTEST_ARGS=${DYNAR_ARM_PYTEST_ARGS:-}

@@ -1,16 +1,25 @@
-"""Running a stride-1 convolution kernel pair (Winograd, direct) the way its tests compare it
-with im2col/GEMM: one call each way, with outputs pre-filled so that overwriting (y, dx) and
-accumulating (dw, db) are both checked."""
+"""Running a convolution kernel pair (Winograd, direct, per-tap GEMM) the way its tests compare
+it with im2col/GEMM: one call each way, with outputs pre-filled so that overwriting (y, dx) and
+accumulating (dw, db) are both checked. A pair is called as fwd(y, x, w, b, padding) and
+bwd(dx, dw, db, dy, x, w, padding); a kernel that also takes a stride is bound to one first
+(`at_stride`) and the helpers are told which."""
 import numpy as np
 
 from dynar.kernels import conv
 from gradcheck import assert_gradient
 
 
-def run(fwd, bwd, x, w, b, padding, dy, with_dx=True):
+def at_stride(fwd, bwd, stride):
+    """The pair fwd(y, x, w, b, stride, padding), bwd(dx, dw, db, dy, x, w, stride, padding)
+    bound to one stride."""
+    return (lambda y, x, w, b, p: fwd(y, x, w, b, stride, p),
+            lambda dx, dw, db, dy, x, w, p: bwd(dx, dw, db, dy, x, w, stride, p))
+
+
+def run(fwd, bwd, x, w, b, padding, dy, with_dx=True, stride=1):
     """(y, dx, dw, db) of fwd(y, x, w, b, padding) and bwd(dx, dw, db, dy, x, w, padding);
     dw starts at 0.5 and db at 0.25, as documented they are accumulated into."""
-    y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, 1, padding), x.dtype)
+    y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, stride, padding), x.dtype)
     fwd(y, x, w, b, padding)
     dx = np.full_like(x, np.nan) if with_dx else None   # documented as overwritten
     dw = np.full_like(w, 0.5)
@@ -19,26 +28,26 @@ def run(fwd, bwd, x, w, b, padding, dy, with_dx=True):
     return y, dx, dw, db
 
 
-def im2col(x, w, b, padding, dy, with_dx=True):
-    return run(lambda y, x, w, b, p: conv.conv2d_forward(y, x, w, b, 1, p),
-               lambda dx, dw, db, dy, x, w, p: conv.conv2d_backward(dx, dw, db, dy, x, w, 1, p),
-               x, w, b, padding, dy, with_dx)
+def im2col(x, w, b, padding, dy, with_dx=True, stride=1):
+    return run(*at_stride(conv.conv2d_forward, conv.conv2d_backward, stride),
+               x, w, b, padding, dy, with_dx, stride)
 
 
-def inputs(rng, x_shape, w_shape, padding, dtype, bias=True):
+def inputs(rng, x_shape, w_shape, padding, dtype, bias=True, stride=1):
     """(x, w, b, padding, dy) with weights scaled like a trained layer's."""
     x = rng.standard_normal(x_shape).astype(dtype)
     w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(dtype)
     b = rng.standard_normal(w_shape[0]).astype(dtype) if bias else None
-    dy = rng.standard_normal(conv.conv2d_output_shape(x_shape, w_shape, 1, padding)).astype(dtype)
+    dy = rng.standard_normal(conv.conv2d_output_shape(x_shape, w_shape, stride, padding))
+    dy = dy.astype(dtype)
     return x, w, b, padding, dy
 
 
-def assert_gradients_match_central_differences(fwd, bwd, x, w, b, padding, rng):
+def assert_gradients_match_central_differences(fwd, bwd, x, w, b, padding, rng, stride=1):
     """The gradients bwd computes are those of sum(fwd(x, w, b) * proj), a random proj, by
     central differences in float64."""
-    proj = rng.standard_normal(conv.conv2d_output_shape(x.shape, w.shape, 1, padding))
-    _, dx, dw, db = run(fwd, bwd, x, w, b, padding, proj)
+    proj = rng.standard_normal(conv.conv2d_output_shape(x.shape, w.shape, stride, padding))
+    _, dx, dw, db = run(fwd, bwd, x, w, b, padding, proj, stride=stride)
 
     def loss():
         y = np.empty(proj.shape)
@@ -50,15 +59,15 @@ def assert_gradients_match_central_differences(fwd, bwd, x, w, b, padding, rng):
     assert_gradient("b", db - 0.25, loss, b)
 
 
-def assert_float32_matches_pytorch(torch, fwd, bwd, x, w, b, padding, dy, tol):
+def assert_float32_matches_pytorch(torch, fwd, bwd, x, w, b, padding, dy, tol, stride=1):
     """fwd and bwd in float32 against torch.nn.functional.conv2d and autograd; the weight and
     bias gradients, sums over the whole batch, get an absolute tolerance of 1e-3."""
     xt = torch.tensor(x, requires_grad=True)
     wt = torch.tensor(w, requires_grad=True)
     bt = torch.tensor(b, requires_grad=True)
-    yt = torch.nn.functional.conv2d(xt, wt, bt, 1, padding)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, stride, padding)
     yt.backward(torch.tensor(dy))
-    y, dx, dw, db = run(fwd, bwd, x, w, b, padding, dy)
+    y, dx, dw, db = run(fwd, bwd, x, w, b, padding, dy, stride=stride)
     np.testing.assert_allclose(y, yt.detach().numpy(), **tol)
     np.testing.assert_allclose(dx, xt.grad.numpy(), **tol)
     np.testing.assert_allclose(dw - 0.5, wt.grad.numpy(), rtol=tol["rtol"], atol=1e-3)

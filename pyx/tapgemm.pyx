@@ -1,0 +1,336 @@
+"""2-D convolution as one GEMM per kernel tap, for layers on small planes: forward,
+weight/bias gradient, input gradient.
+
+On VGG's last layers (512 -> 512, 3x3, padding 1, a 2x2 plane) five ninths of an im2col
+matrix are padding, and the GEMM multiplies all of them. Here each tap (i, j) is its own
+product: it pairs output pixel (oh, ow) with input pixel (oh*sh + i - ph, ow*sw + j - pw), and
+only pairs whose input pixel exists are multiplied (4/9 of im2col's multiply-adds on a 2x2
+plane, 69% on 4x4). The batch is laid out channel-major with the image index fastest,
+    x~ (C, H*W*N),  y~ (C_out, Ho*Wo*N),  w_t = w[:, :, i, j] as (C_out, C),
+so the pairs of a tap form runs of contiguous columns (a run: one output row's valid pixels
+at stride 1, one pixel otherwise, the tap's whole range when it spans whole rows), and per
+run r of tap t:
+    forward:      y~[:, r]            += w_t @ x~[:, r shifted by t]                  (+ b)
+    weight grad:  dw[:, :, i, j]       += dy~[:, r] @ x~[:, r shifted by t]^T          (db: row sums)
+    input grad:   dx~[:, r shifted by t] += w_t^T @ dy~[:, r]
+The GEMMs are C_out x C_in deep with N to Ho*Wo*N columns, shapes BLAS runs near its peak,
+where im2col's per-image GEMMs on a 2x2 plane have 4 columns. Copying the batch into and out
+of that layout and repacking w costs one pass over each.
+
+Parallelism: forward and weight gradient split C_out between the threads, the input gradient
+splits C_in; each thread owns its rows of every product, so nothing is reduced afterwards and a
+run is deterministic for a given thread count.
+"""
+from cython cimport floating
+from cython.parallel cimport prange, parallel
+from libc.string cimport memset
+cimport numpy as cnp
+cimport openmp
+
+from _blas cimport gemm
+from _convargs cimport check_conv_backward, check_conv_forward
+from _scratch cimport Scratch, scratch_give, scratch_take
+from _tap_range cimport tap_end_valid, tap_first_valid
+from _validate cimport F32, FloatKind, check_blas_dim, check_pair, data
+
+cnp.import_array()
+
+cdef Scratch _scratch   # runs, the batch in tap layout, repacked weights and their gradient
+
+# Where the per-tap GEMMs beat the others (`python -m perf kernels`, batch 64, forward +
+# backward, 2 threads of a Zen 4): on 3x3 stride-1 layers with a 2x2 output, at any channel
+# count (1.1-1.3x the GEMM ceiling against im2col's 5-55% and Winograd's 25-40%); with a 4x4
+# output from 192 channels on (AlexNet's and VGG's: 1.15-1.2x Winograd), not below (128 -> 128:
+# 0.97x, 64 -> 64: 0.75x). With strides, where each run is one pixel, im2col is faster (0.7-1x).
+DEF ANY_CHANNELS_MAX_PIXELS = 4
+DEF PREFERRED_MAX_PIXELS = 16
+DEF PREFERRED_MIN_CHANNELS = 192
+# Rows of a thread's block are a multiple of this, so BLAS's micro-kernels see whole panels.
+DEF BLOCK_ROWS = 16
+# Side of the square tiles the layout changes copy.
+DEF TRANSPOSE_TILE = 16
+
+
+def tapgemm_preferred(x_shape, w_shape, stride=1, padding=0):
+    """Whether a layer should run on the per-tap GEMMs rather than Winograd or im2col/GEMM."""
+    xs, ws = tuple(x_shape), tuple(w_shape)
+    if check_pair("stride", stride, 1) != (1, 1) or ws[2] * ws[3] == 1:
+        return False
+    ph, pw = check_pair("padding", padding, 0)
+    pixels = (xs[2] + 2 * ph - ws[2] + 1) * (xs[3] + 2 * pw - ws[3] + 1)
+    return pixels <= ANY_CHANNELS_MAX_PIXELS or (
+        pixels <= PREFERRED_MAX_PIXELS and min(xs[1], ws[0]) >= PREFERRED_MIN_CHANNELS)
+
+
+cdef struct TapShape:
+    Py_ssize_t N, C, H, W, Co, kh, kw, sh, sw, ph, pw, Ho, Wo
+    Py_ssize_t taps     # kh*kw
+    Py_ssize_t in_ld    # H*W*N: one input channel of x~
+    Py_ssize_t out_ld   # Ho*Wo*N: one output channel of y~
+    Py_ssize_t runs     # how many runs the taps have in all
+
+
+cdef struct Run:
+    Py_ssize_t tap      # i*kw + j
+    Py_ssize_t out      # first column of the run in y~
+    Py_ssize_t inp      # first column of the input pixels it pairs with in x~
+    Py_ssize_t length   # columns
+
+
+cdef Py_ssize_t _list_runs(Run* runs, const TapShape* s) noexcept nogil:
+    """Write the runs of every tap, grouped by tap in tap order, to runs (unless NULL);
+    return how many there are."""
+    cdef Py_ssize_t n = 0, i, j, top, bottom, lo, hi, oh, ow, ih
+    cdef Py_ssize_t N = s.N
+    for i in range(s.kh):
+        top = tap_first_valid(s.ph, i, s.sh, s.Ho)
+        bottom = tap_end_valid(s.ph, i, s.sh, s.H, s.Ho)
+        for j in range(s.kw):
+            lo = tap_first_valid(s.pw, j, s.sw, s.Wo)
+            hi = tap_end_valid(s.pw, j, s.sw, s.W, s.Wo)
+            if bottom <= top or hi <= lo:
+                continue   # the tap reads only padding
+            if s.sh == 1 and s.sw == 1 and lo == 0 and hi == s.Wo and s.Wo == s.W:
+                # Whole rows on both sides, of the same length: the rows are one run.
+                if runs != NULL:
+                    runs[n] = Run(i * s.kw + j, top * s.Wo * N, (top + i - s.ph) * s.W * N,
+                                  (bottom - top) * s.Wo * N)
+                n += 1
+                continue
+            for oh in range(top, bottom):
+                ih = oh * s.sh + i - s.ph
+                if s.sw == 1:
+                    if runs != NULL:
+                        runs[n] = Run(i * s.kw + j, (oh * s.Wo + lo) * N,
+                                      (ih * s.W + lo + j - s.pw) * N, (hi - lo) * N)
+                    n += 1
+                    continue
+                for ow in range(lo, hi):
+                    if runs != NULL:
+                        runs[n] = Run(i * s.kw + j, (oh * s.Wo + ow) * N,
+                                      (ih * s.W + ow * s.sw + j - s.pw) * N, N)
+                    n += 1
+    return n
+
+
+cdef TapShape _shape(object xa, object wa, object stride, object padding) except *:
+    cdef TapShape s
+    s.N, s.C, s.H, s.W = (<object> xa).shape
+    s.Co, _, s.kh, s.kw = (<object> wa).shape
+    s.sh, s.sw = check_pair("stride", stride, 1)
+    s.ph, s.pw = check_pair("padding", padding, 0)
+    s.Ho = (s.H + 2 * s.ph - s.kh) // s.sh + 1
+    s.Wo = (s.W + 2 * s.pw - s.kw) // s.sw + 1
+    s.taps = s.kh * s.kw
+    s.in_ld = s.H * s.W * s.N
+    s.out_ld = s.Ho * s.Wo * s.N
+    check_blas_dim("tapgemm: C_in", s.C)
+    check_blas_dim("tapgemm: C_out", s.Co)
+    check_blas_dim("tapgemm: N*H*W", s.in_ld)
+    check_blas_dim("tapgemm: N*H_out*W_out", s.out_ld)
+    s.runs = _list_runs(NULL, &s)
+    return s
+
+
+cdef inline void _transpose(floating* dst, Py_ssize_t dst_ld, const floating* src,
+                            Py_ssize_t src_ld, Py_ssize_t rows, Py_ssize_t cols,
+                            bint accumulate) noexcept nogil:
+    """dst[c, r] (=, or += if accumulate) src[r, c] for r < rows, c < cols.
+
+    Tile by tile, so that reads and writes both stay within a few cache lines per tile
+    (a plain row loop over a 9-column weight writes 9 far-apart streams per element)."""
+    cdef Py_ssize_t r0, c0, r, c, r1, c1
+    for r0 in range(0, rows, TRANSPOSE_TILE):
+        r1 = r0 + TRANSPOSE_TILE if r0 + TRANSPOSE_TILE < rows else rows
+        for c0 in range(0, cols, TRANSPOSE_TILE):
+            c1 = c0 + TRANSPOSE_TILE if c0 + TRANSPOSE_TILE < cols else cols
+            for c in range(c0, c1):
+                if accumulate:
+                    for r in range(r0, r1):
+                        dst[c * dst_ld + r] += src[r * src_ld + c]
+                else:
+                    for r in range(r0, r1):
+                        dst[c * dst_ld + r] = src[r * src_ld + c]
+
+
+cdef inline Py_ssize_t _block_start(Py_ssize_t k, Py_ssize_t parts, Py_ssize_t n) noexcept nogil:
+    """First row of part k when n rows are split into parts blocks of whole panels (part k
+    ends where part k + 1 starts). Callers assign the result, never pass a pointer to it: prange
+    keeps only assigned variables private to a thread."""
+    cdef Py_ssize_t size = (n + parts - 1) // parts
+    size = (size + BLOCK_ROWS - 1) // BLOCK_ROWS * BLOCK_ROWS
+    return k * size if k * size < n else n
+
+
+cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
+                   const TapShape* s, const Run* runs, floating* xt, floating* yt,
+                   floating* wt, int threads) noexcept nogil:
+    cdef Py_ssize_t P = s.Ho * s.Wo, HW = s.H * s.W
+    cdef Py_ssize_t k, c, o, o0, o1, r, q
+    with parallel(num_threads=threads):
+        for c in prange(s.C, schedule="static"):
+            _transpose(xt + c * s.in_ld, s.N, x + c * HW, s.C * HW, s.N, HW, False)
+        for o in prange(s.Co, schedule="static"):
+            _transpose(wt + o * s.C, s.Co * s.C, w + o * s.C * s.taps, s.taps, s.C, s.taps,
+                       False)
+        for k in prange(threads, schedule="static"):
+            o0 = _block_start(k, threads, s.Co)
+            o1 = _block_start(k + 1, threads, s.Co)
+            for o in range(o0, o1):
+                for q in range(s.out_ld):
+                    yt[o * s.out_ld + q] = b[o] if b != NULL else 0
+            if o1 > o0:
+                for r in range(s.runs):
+                    gemm(False, False, <int> (o1 - o0), <int> runs[r].length, <int> s.C,
+                         <floating> 1, wt + (runs[r].tap * s.Co + o0) * s.C, <int> s.C,
+                         xt + runs[r].inp, <int> s.in_ld, <floating> 1,
+                         yt + o0 * s.out_ld + runs[r].out, <int> s.out_ld)
+            for o in range(o0, o1):
+                _transpose(y + o * P, s.Co * P, yt + o * s.out_ld, s.N, P, s.N, False)
+
+
+cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy,
+                    const floating* x, const floating* w, const TapShape* s, const Run* runs,
+                    floating* xt, floating* dyt, floating* wt, floating* dxt, floating* dwt,
+                    int threads) noexcept nogil:
+    cdef Py_ssize_t P = s.Ho * s.Wo, HW = s.H * s.W
+    cdef Py_ssize_t k, c, o, o0, o1, c0, c1, r, t, q
+    cdef floating beta, acc
+    cdef floating* dwt_t
+    with parallel(num_threads=threads):
+        for c in prange(s.C, schedule="static"):
+            _transpose(xt + c * s.in_ld, s.N, x + c * HW, s.C * HW, s.N, HW, False)
+        for o in prange(s.Co, schedule="static"):
+            _transpose(dyt + o * s.out_ld, s.N, dy + o * P, s.Co * P, s.N, P, False)
+            if db != NULL:
+                acc = 0
+                for q in range(s.out_ld):
+                    acc = acc + dyt[o * s.out_ld + q]
+                db[o] += acc
+            if dx != NULL:
+                _transpose(wt + o * s.C, s.Co * s.C, w + o * s.C * s.taps, s.taps, s.C,
+                           s.taps, False)
+        for k in prange(threads, schedule="static"):
+            # Weight gradient of this thread's output channels, tap by tap.
+            o0 = _block_start(k, threads, s.Co)
+            o1 = _block_start(k + 1, threads, s.Co)
+            if o1 > o0:
+                r = 0
+                for t in range(s.taps):
+                    dwt_t = dwt + (t * s.Co + o0) * s.C
+                    if r == s.runs or runs[r].tap != t:
+                        memset(dwt_t, 0, (o1 - o0) * s.C * sizeof(floating))
+                    beta = 0
+                    while r < s.runs and runs[r].tap == t:
+                        gemm(False, True, <int> (o1 - o0), <int> s.C, <int> runs[r].length,
+                             <floating> 1, dyt + o0 * s.out_ld + runs[r].out, <int> s.out_ld,
+                             xt + runs[r].inp, <int> s.in_ld, beta, dwt_t, <int> s.C)
+                        beta = 1
+                        r = r + 1
+            for o in range(o0, o1):
+                _transpose(dw + o * s.C * s.taps, s.taps, dwt + o * s.C, s.Co * s.C, s.taps,
+                           s.C, True)
+            if dx == NULL:
+                continue
+            # Input gradient of this thread's input channels.
+            c0 = _block_start(k, threads, s.C)
+            c1 = _block_start(k + 1, threads, s.C)
+            if c1 > c0:
+                memset(dxt + c0 * s.in_ld, 0, (c1 - c0) * s.in_ld * sizeof(floating))
+                for r in range(s.runs):
+                    gemm(True, False, <int> (c1 - c0), <int> runs[r].length, <int> s.Co,
+                         <floating> 1, wt + runs[r].tap * s.Co * s.C + c0, <int> s.C,
+                         dyt + runs[r].out, <int> s.out_ld, <floating> 1,
+                         dxt + c0 * s.in_ld + runs[r].inp, <int> s.in_ld)
+            for c in range(c0, c1):
+                _transpose(dx + c * HW, s.C * HW, dxt + c * s.in_ld, s.N, HW, s.N, False)
+
+
+cdef inline size_t _runs_bytes(const TapShape* s) noexcept nogil:
+    # The runs go first in the workspace; the floats after them start on a cache line.
+    return (s.runs * sizeof(Run) + 63) // 64 * 64
+
+
+def tapgemm_forward(y, x, w, b=None, stride=1, padding=0):
+    """y (N, C_out, H_out, W_out) = conv2d(x (N, C_in, H, W), w (C_out, C_in, kh, kw)) + b (C_out,).
+
+    y is overwritten. b may be None. stride, padding: int or (h, w)."""
+    cdef FloatKind kind = F32
+    ya, xa, wa, ba = check_conv_forward(y, x, w, b, stride, padding, &kind)
+    cdef TapShape s = _shape(xa, wa, stride, padding)
+    cdef size_t itemsize = 4 if kind == F32 else 8
+    cdef Py_ssize_t xt_size = s.C * s.in_ld, yt_size = s.Co * s.out_ld
+    cdef Py_ssize_t wt_size = s.taps * s.Co * s.C
+    cdef size_t head = _runs_bytes(&s)
+    cdef bint private
+    cdef char* work = <char*> scratch_take(
+        &_scratch, head + (xt_size + yt_size + wt_size) * itemsize, &private)
+    cdef Run* runs = <Run*> work
+    cdef char* floats = work + head
+    cdef int threads = openmp.omp_get_max_threads()
+    cdef void* yp = data(ya)
+    cdef void* xp = data(xa)
+    cdef void* wp = data(wa)
+    cdef void* bp = data(ba)
+    try:
+        with nogil:
+            _list_runs(runs, &s)
+            if kind == F32:
+                _forward(<float*> yp, <float*> xp, <float*> wp, <float*> bp, &s, runs,
+                         <float*> floats, <float*> floats + xt_size,
+                         <float*> floats + xt_size + yt_size, threads)
+            else:
+                _forward(<double*> yp, <double*> xp, <double*> wp, <double*> bp, &s, runs,
+                         <double*> floats, <double*> floats + xt_size,
+                         <double*> floats + xt_size + yt_size, threads)
+    finally:
+        scratch_give(&_scratch, work, private)
+
+
+def tapgemm_backward(dx, dw, db, dy, x, w, stride=1, padding=0):
+    """Gradients of tapgemm_forward given dy (N, C_out, H_out, W_out).
+
+    dx (N, C_in, H, W) is overwritten (None skips the input gradient, as for a first layer);
+    dw (C_out, C_in, kh, kw) and db (C_out,) are accumulated into (+=); db may be None."""
+    cdef FloatKind kind = F32
+    dxa, dwa, dba, dya, xa, wa = check_conv_backward(dx, dw, db, dy, x, w, stride, padding,
+                                                     &kind)
+    cdef TapShape s = _shape(xa, wa, stride, padding)
+    cdef size_t itemsize = 4 if kind == F32 else 8
+    cdef Py_ssize_t xt_size = s.C * s.in_ld, dyt_size = s.Co * s.out_ld
+    cdef Py_ssize_t wt_size = s.taps * s.Co * s.C
+    cdef Py_ssize_t dxt_size = xt_size if dxa is not None else 0
+    cdef Py_ssize_t used_wt = wt_size if dxa is not None else 0
+    cdef size_t head = _runs_bytes(&s)
+    cdef bint private
+    cdef char* work = <char*> scratch_take(
+        &_scratch, head + (xt_size + dyt_size + used_wt + dxt_size + wt_size) * itemsize,
+        &private)
+    cdef Run* runs = <Run*> work
+    cdef char* floats = work + head
+    # x~, dy~, then (with an input gradient) w_t and dx~, then the weight gradient's taps
+    cdef Py_ssize_t at_wt = xt_size + dyt_size
+    cdef Py_ssize_t at_dxt = at_wt + used_wt
+    cdef Py_ssize_t at_dwt = at_dxt + dxt_size
+    cdef int threads = openmp.omp_get_max_threads()
+    cdef void* dxp = data(dxa)
+    cdef void* dwp = data(dwa)
+    cdef void* dbp = data(dba)
+    cdef void* dyp = data(dya)
+    cdef void* xp = data(xa)
+    cdef void* wp = data(wa)
+    try:
+        with nogil:
+            _list_runs(runs, &s)
+            if kind == F32:
+                _backward(<float*> dxp, <float*> dwp, <float*> dbp, <float*> dyp, <float*> xp,
+                          <float*> wp, &s, runs, <float*> floats, <float*> floats + xt_size,
+                          <float*> floats + at_wt, <float*> floats + at_dxt,
+                          <float*> floats + at_dwt, threads)
+            else:
+                _backward(<double*> dxp, <double*> dwp, <double*> dbp, <double*> dyp,
+                          <double*> xp, <double*> wp, &s, runs, <double*> floats,
+                          <double*> floats + xt_size, <double*> floats + at_wt,
+                          <double*> floats + at_dxt, <double*> floats + at_dwt, threads)
+    finally:
+        scratch_give(&_scratch, work, private)
