@@ -6,7 +6,7 @@ matrix are padding, and the GEMM multiplies all of them. Here each tap (i, j) is
 product: it pairs output pixel (oh, ow) with input pixel (oh*sh + i - ph, ow*sw + j - pw), and
 only pairs whose input pixel exists are multiplied (4/9 of im2col's multiply-adds on a 2x2
 plane, 69% on 4x4). The batch is laid out channel-major with the image index fastest,
-    x~ (C, H*W*N),  y~ (C_out, Ho*Wo*N),  w_t = w[:, :, i, j] as (C_out, C),
+    x~ (C, H*W*N),  y~ (C_out, Ho*Wo*N),  w_t = w[:, :, i, j] (C_out, C),
 so the pairs of a tap form runs of contiguous columns (a run: one output row's valid pixels
 at stride 1, one pixel otherwise, the tap's whole range when it spans whole rows), and per
 run r of tap t:
@@ -15,7 +15,9 @@ run r of tap t:
     input grad:   dx~[:, r shifted by t] += w_t^T @ dy~[:, r]
 The GEMMs are C_out x C_in deep with N to Ho*Wo*N columns, shapes BLAS runs near its peak,
 where im2col's per-image GEMMs on a 2x2 plane have 4 columns. Copying the batch into and out
-of that layout and repacking w costs one pass over each.
+of that layout costs one pass over each. The weights are repacked as wt (C_out, taps, C_in),
+so w_t is a matrix of row stride taps*C_in, and every output channel's repacking (and the
+weight gradient's, back) is a transpose within a few kilobytes.
 
 Parallelism: forward and weight gradient split C_out between the threads, the input gradient
 splits C_in; each thread owns its rows of every product, so nothing is reduced afterwards and a
@@ -137,20 +139,31 @@ cdef inline void _transpose(floating* dst, Py_ssize_t dst_ld, const floating* sr
                             bint accumulate) noexcept nogil:
     """dst[c, r] (=, or += if accumulate) src[r, c] for r < rows, c < cols.
 
-    Tile by tile, so that reads and writes both stay within a few cache lines per tile
-    (a plain row loop over a 9-column weight writes 9 far-apart streams per element)."""
+    Tile by tile, so that reads and writes both stay within a few cache lines per tile. Within
+    a tile the side with the longer row stride is walked along its rows: the images of a batch
+    lie kilobytes apart, a power of two that maps a tile's rows to one cache set, and visiting
+    each such row once instead of once per column keeps them from evicting each other."""
     cdef Py_ssize_t r0, c0, r, c, r1, c1
+    cdef bint along_src = src_ld > dst_ld
     for r0 in range(0, rows, TRANSPOSE_TILE):
         r1 = r0 + TRANSPOSE_TILE if r0 + TRANSPOSE_TILE < rows else rows
         for c0 in range(0, cols, TRANSPOSE_TILE):
             c1 = c0 + TRANSPOSE_TILE if c0 + TRANSPOSE_TILE < cols else cols
-            for c in range(c0, c1):
-                if accumulate:
+            if along_src:
+                for r in range(r0, r1):
+                    for c in range(c0, c1):
+                        _put(dst + c * dst_ld + r, src[r * src_ld + c], accumulate)
+            else:
+                for c in range(c0, c1):
                     for r in range(r0, r1):
-                        dst[c * dst_ld + r] += src[r * src_ld + c]
-                else:
-                    for r in range(r0, r1):
-                        dst[c * dst_ld + r] = src[r * src_ld + c]
+                        _put(dst + c * dst_ld + r, src[r * src_ld + c], accumulate)
+
+
+cdef inline void _put(floating* at, floating value, bint accumulate) noexcept nogil:
+    if accumulate:
+        at[0] += value
+    else:
+        at[0] = value
 
 
 cdef inline Py_ssize_t _block_start(Py_ssize_t k, Py_ssize_t parts, Py_ssize_t n) noexcept nogil:
@@ -171,7 +184,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
         for c in prange(s.C, schedule="static"):
             _transpose(xt + c * s.in_ld, s.N, x + c * HW, s.C * HW, s.N, HW, False)
         for o in prange(s.Co, schedule="static"):
-            _transpose(wt + o * s.C, s.Co * s.C, w + o * s.C * s.taps, s.taps, s.C, s.taps,
+            _transpose(wt + o * s.taps * s.C, s.C, w + o * s.C * s.taps, s.taps, s.C, s.taps,
                        False)
         for k in prange(threads, schedule="static"):
             o0 = _block_start(k, threads, s.Co)
@@ -182,7 +195,8 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
             if o1 > o0:
                 for r in range(s.runs):
                     gemm(False, False, <int> (o1 - o0), <int> runs[r].length, <int> s.C,
-                         <floating> 1, wt + (runs[r].tap * s.Co + o0) * s.C, <int> s.C,
+                         <floating> 1, wt + o0 * s.taps * s.C + runs[r].tap * s.C,
+                         <int> (s.taps * s.C),
                          xt + runs[r].inp, <int> s.in_ld, <floating> 1,
                          yt + o0 * s.out_ld + runs[r].out, <int> s.out_ld)
             for o in range(o0, o1):
@@ -208,7 +222,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     acc = acc + dyt[o * s.out_ld + q]
                 db[o] += acc
             if dx != NULL:
-                _transpose(wt + o * s.C, s.Co * s.C, w + o * s.C * s.taps, s.taps, s.C,
+                _transpose(wt + o * s.taps * s.C, s.C, w + o * s.C * s.taps, s.taps, s.C,
                            s.taps, False)
         for k in prange(threads, schedule="static"):
             # Weight gradient of this thread's output channels, tap by tap.
@@ -217,18 +231,19 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
             if o1 > o0:
                 r = 0
                 for t in range(s.taps):
-                    dwt_t = dwt + (t * s.Co + o0) * s.C
+                    dwt_t = dwt + o0 * s.taps * s.C + t * s.C
                     if r == s.runs or runs[r].tap != t:
-                        memset(dwt_t, 0, (o1 - o0) * s.C * sizeof(floating))
+                        for o in range(o1 - o0):
+                            memset(dwt_t + o * s.taps * s.C, 0, s.C * sizeof(floating))
                     beta = 0
                     while r < s.runs and runs[r].tap == t:
                         gemm(False, True, <int> (o1 - o0), <int> s.C, <int> runs[r].length,
                              <floating> 1, dyt + o0 * s.out_ld + runs[r].out, <int> s.out_ld,
-                             xt + runs[r].inp, <int> s.in_ld, beta, dwt_t, <int> s.C)
+                             xt + runs[r].inp, <int> s.in_ld, beta, dwt_t, <int> (s.taps * s.C))
                         beta = 1
                         r = r + 1
             for o in range(o0, o1):
-                _transpose(dw + o * s.C * s.taps, s.taps, dwt + o * s.C, s.Co * s.C, s.taps,
+                _transpose(dw + o * s.C * s.taps, s.taps, dwt + o * s.taps * s.C, s.C, s.taps,
                            s.C, True)
             if dx == NULL:
                 continue
@@ -239,7 +254,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 memset(dxt + c0 * s.in_ld, 0, (c1 - c0) * s.in_ld * sizeof(floating))
                 for r in range(s.runs):
                     gemm(True, False, <int> (c1 - c0), <int> runs[r].length, <int> s.Co,
-                         <floating> 1, wt + runs[r].tap * s.Co * s.C + c0, <int> s.C,
+                         <floating> 1, wt + runs[r].tap * s.C + c0, <int> (s.taps * s.C),
                          dyt + runs[r].out, <int> s.out_ld, <floating> 1,
                          dxt + c0 * s.in_ld + runs[r].inp, <int> s.in_ld)
             for c in range(c0, c1):
