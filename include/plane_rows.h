@@ -1,5 +1,5 @@
-/* Loops over blocks of rows of image planes stored at some row stride: the stride-1 inner
- * loops of im2col and its adjoint col2im (pyx/conv.pyx), and the re-layout of planes between
+/* Loops over blocks of rows of image planes stored at some row stride: the inner loops of
+ * im2col and its adjoint col2im (pyx/conv.pyx), and the re-layout of planes between
  * their own width and the padded width the direct convolution reads (pyx/direct.pyx).
  *
  * Per row, these were libc calls (a memcpy and two memsets of a few dozen bytes for im2col)
@@ -16,6 +16,15 @@
 #define DYNAR_NO_LIBC_LOOPS
 #endif
 
+/* LOOP with STEP a compile-time 1 or 2 where step is (the strides of nearly every network),
+ * so the compiler vectorizes it (a stride-2 gather is two loads and a permute); else step. */
+#define DYNAR_AT_STEP(step, LOOP)                                                             \
+    do {                                                                                      \
+        if ((step) == 1) { enum { STEP = 1 }; LOOP }                                          \
+        else if ((step) == 2) { enum { STEP = 2 }; LOOP }                                     \
+        else { const ptrdiff_t STEP = (step); LOOP }                                          \
+    } while (0)
+
 #define DYNAR_PLANE_ROWS(REAL, SUFFIX)                                                       \
 /* dst + r * dst_ld = the n elements at src + r * src_ld, for r < rows. */                   \
 DYNAR_NO_LIBC_LOOPS static void rows_copy_##SUFFIX(REAL *restrict dst, ptrdiff_t dst_ld,    \
@@ -28,33 +37,35 @@ DYNAR_NO_LIBC_LOOPS static void rows_copy_##SUFFIX(REAL *restrict dst, ptrdiff_t
             dst[o] = src[o];                                                                \
 }                                                                                           \
                                                                                             \
-/* im2col: dst (rows, wo), contiguous; row r's [lo, hi) from src + r * ld, the rest 0. */   \
+/* im2col: dst (rows, wo), contiguous; row r's [lo, hi) from src + r * ld, every step-th    \
+ * element, the rest 0. */                                                                  \
 DYNAR_NO_LIBC_LOOPS static void rows_unfold_##SUFFIX(REAL *restrict dst,                    \
                                                      const REAL *restrict src,              \
                                                      ptrdiff_t rows, ptrdiff_t ld,          \
                                                      ptrdiff_t wo, ptrdiff_t lo,            \
-                                                     ptrdiff_t hi)                          \
+                                                     ptrdiff_t hi, ptrdiff_t step)          \
 {                                                                                           \
     for (ptrdiff_t r = 0; r < rows; r++, dst += wo, src += ld) {                            \
         for (ptrdiff_t o = 0; o < lo; o++)                                                  \
             dst[o] = 0;                                                                     \
-        for (ptrdiff_t o = 0; o < hi - lo; o++)                                             \
-            dst[lo + o] = src[o];                                                           \
+        DYNAR_AT_STEP(step, for (ptrdiff_t o = 0; o < hi - lo; o++)                         \
+                                dst[lo + o] = src[o * STEP];);                              \
         for (ptrdiff_t o = hi; o < wo; o++)                                                 \
             dst[o] = 0;                                                                     \
     }                                                                                       \
 }                                                                                           \
                                                                                             \
-/* col2im, the adjoint: dst + r * ld += row r's [lo, hi) of src (rows, wo), contiguous. */  \
+/* col2im, the adjoint: every step-th element of dst + r * ld += row r's [lo, hi) of src     \
+ * (rows, wo), contiguous. */                                                               \
 DYNAR_NO_LIBC_LOOPS static void rows_fold_add_##SUFFIX(REAL *restrict dst,                  \
                                                        const REAL *restrict src,            \
                                                        ptrdiff_t rows, ptrdiff_t ld,        \
                                                        ptrdiff_t wo, ptrdiff_t lo,          \
-                                                       ptrdiff_t hi)                        \
+                                                       ptrdiff_t hi, ptrdiff_t step)        \
 {                                                                                           \
     for (ptrdiff_t r = 0; r < rows; r++, dst += ld, src += wo)                              \
-        for (ptrdiff_t o = 0; o < hi - lo; o++)                                             \
-            dst[o] += src[lo + o];                                                          \
+        DYNAR_AT_STEP(step, for (ptrdiff_t o = 0; o < hi - lo; o++)                         \
+                                dst[o * STEP] += src[lo + o];);                             \
 }
 
 DYNAR_PLANE_ROWS(float, f)

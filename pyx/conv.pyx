@@ -37,13 +37,13 @@ DEF COL_TILE_BYTES = 512 * 1024
 
 cdef extern from "plane_rows.h" nogil:
     void rows_unfold_f(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
-                       Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+                       Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step)
     void rows_unfold_d(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
-                       Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+                       Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step)
     void rows_fold_add_f(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
-                         Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+                         Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step)
     void rows_fold_add_d(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
-                         Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi)
+                         Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step)
 
 
 cdef inline void _valid_rows(const ConvShape* s, Py_ssize_t i, Py_ssize_t oh0, Py_ssize_t oh1,
@@ -73,7 +73,7 @@ cdef void im2col(floating* col, Py_ssize_t ld, const floating* x, const ConvShap
     Unfolds output rows [oh0, oh1). The padding ranges are computed up front, rows and
     columns, so the inner loops are plain copies and fills instead of a bounds test per
     pixel."""
-    cdef Py_ssize_t c, i, j, oh, ow, lo, hi, top, bottom
+    cdef Py_ssize_t c, i, j, lo, hi, top, bottom
     cdef floating* dst
     cdef const floating* src
     for c in range(s.C):
@@ -85,20 +85,11 @@ cdef void im2col(floating* col, Py_ssize_t ld, const floating* x, const ConvShap
                 memset(dst, 0, (top - oh0) * s.Wo * sizeof(floating))
                 dst += (top - oh0) * s.Wo
                 src = x + (c * s.H + top * s.sh - s.ph + i) * s.W + lo * s.sw - s.pw + j
-                if s.sw == 1:
-                    if floating is float:
-                        rows_unfold_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
-                    else:
-                        rows_unfold_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
-                    dst += (bottom - top) * s.Wo
+                if floating is float:
+                    rows_unfold_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi, s.sw)
                 else:
-                    for oh in range(top, bottom):
-                        memset(dst, 0, lo * sizeof(floating))
-                        for ow in range(hi - lo):
-                            dst[lo + ow] = src[ow * s.sw]
-                        memset(dst + hi, 0, (s.Wo - hi) * sizeof(floating))
-                        dst += s.Wo
-                        src += s.sh * s.W
+                    rows_unfold_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi, s.sw)
+                dst += (bottom - top) * s.Wo
                 memset(dst, 0, (oh1 - bottom) * s.Wo * sizeof(floating))
 
 
@@ -106,7 +97,7 @@ cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const Conv
                      Py_ssize_t oh0, Py_ssize_t oh1) noexcept nogil:
     """x: (C, H, W) += every column of col (K, ld) for output rows [oh0, oh1), added back
     to the pixel im2col read it from (the adjoint of im2col)."""
-    cdef Py_ssize_t c, i, j, oh, ow, lo, hi, top, bottom
+    cdef Py_ssize_t c, i, j, lo, hi, top, bottom
     cdef const floating* src
     cdef floating* dst
     for c in range(s.C):
@@ -116,17 +107,10 @@ cdef void col2im_add(floating* x, const floating* col, Py_ssize_t ld, const Conv
                 _valid_columns(s, j, &lo, &hi)
                 src = col + ((c * s.kh + i) * s.kw + j) * ld + (top - oh0) * s.Wo
                 dst = x + (c * s.H + top * s.sh - s.ph + i) * s.W + lo * s.sw - s.pw + j
-                if s.sw == 1:
-                    if floating is float:
-                        rows_fold_add_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
-                    else:
-                        rows_fold_add_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi)
+                if floating is float:
+                    rows_fold_add_f(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi, s.sw)
                 else:
-                    for oh in range(top, bottom):
-                        for ow in range(hi - lo):
-                            dst[ow * s.sw] += src[lo + ow]
-                        dst += s.sh * s.W
-                        src += s.Wo
+                    rows_fold_add_d(dst, src, bottom - top, s.sh * s.W, s.Wo, lo, hi, s.sw)
 
 
 cdef inline bint _is_pointwise(const ConvShape* s, Py_ssize_t gn) noexcept nogil:
