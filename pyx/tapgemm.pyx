@@ -7,9 +7,11 @@ product: it pairs output pixel (oh, ow) with input pixel (oh*sh + i - ph, ow*sw 
 only pairs whose input pixel exists are multiplied (4/9 of im2col's multiply-adds on a 2x2
 plane, 69% on 4x4). The batch is laid out channel-major with the image index fastest,
     x~ (C, H*W*N),  y~ (C_out, Ho*Wo*N),  w_t = w[:, :, i, j] (C_out, C),
-so the pairs of a tap form runs of contiguous columns (a run: one output row's valid pixels
-at stride 1, one pixel otherwise, the tap's whole range when it spans whole rows), and per
-run r of tap t:
+where x~ orders a channel's pixels by stride phase (all pixels (h, w) with h % sh = a and
+w % sw = b form phase (a, b)'s plane; at stride 1 that is the plane itself). Then the pairs
+of a tap form runs of contiguous columns (a run: one output row's valid pixels, which read one
+row segment of one phase; the tap's whole range when it spans whole rows), and per run r of
+tap t:
     forward:      y~[:, r]            += w_t @ x~[:, r shifted by t]                  (+ b)
     weight grad:  dw[:, :, i, j]       += dy~[:, r] @ x~[:, r shifted by t]^T          (db: row sums)
     input grad:   dx~[:, r shifted by t] += w_t^T @ dy~[:, r]
@@ -40,10 +42,12 @@ cnp.import_array()
 cdef Scratch _scratch   # runs, the batch in tap layout, repacked weights and their gradient
 
 # Where the per-tap GEMMs beat the others (`python -m perf kernels`, batch 64, forward +
-# backward, 2 threads of a Zen 4): on 3x3 stride-1 layers with a 2x2 output, at any channel
-# count (1.1-1.3x the GEMM ceiling against im2col's 5-55% and Winograd's 25-40%); with a 4x4
-# output from 192 channels on (AlexNet's and VGG's: 1.15-1.2x Winograd), not below (128 -> 128:
-# 0.97x, 64 -> 64: 0.75x). With strides, where each run is one pixel, im2col is faster (0.7-1x).
+# backward, 2 threads of a Zen 4): on 3x3 layers with a 2x2 output, at any channel count
+# (stride 1: 1.1-1.3x the GEMM ceiling against im2col's 5-55% and Winograd's 25-40%); with a
+# 4x4 output from 192 channels on (AlexNet's and VGG's: 1.15-1.2x Winograd; ResNet's 256 -> 512
+# at stride 2: 1.05-1.2x im2col), not below (128 -> 128: 0.97x Winograd, 64 -> 64: 0.75x;
+# 128 -> 256 at stride 2: 1.0x im2col). On larger planes the 9 taps each pack the whole input
+# for BLAS, and im2col or Winograd win (stride 2, 16x16 outputs: 0.67x im2col).
 DEF ANY_CHANNELS_MAX_PIXELS = 4
 DEF PREFERRED_MAX_PIXELS = 16
 DEF PREFERRED_MIN_CHANNELS = 192
@@ -56,18 +60,20 @@ DEF TRANSPOSE_TILE = 16
 def tapgemm_preferred(x_shape, w_shape, stride=1, padding=0):
     """Whether a layer should run on the per-tap GEMMs rather than Winograd or im2col/GEMM."""
     xs, ws = tuple(x_shape), tuple(w_shape)
-    if check_pair("stride", stride, 1) != (1, 1) or ws[2] * ws[3] == 1:
-        return False
+    if ws[2] * ws[3] == 1:
+        return False   # one tap: nothing to skip (and at stride 2, three phases unused)
+    sh, sw = check_pair("stride", stride, 1)
     ph, pw = check_pair("padding", padding, 0)
-    pixels = (xs[2] + 2 * ph - ws[2] + 1) * (xs[3] + 2 * pw - ws[3] + 1)
+    pixels = ((xs[2] + 2 * ph - ws[2]) // sh + 1) * ((xs[3] + 2 * pw - ws[3]) // sw + 1)
     return pixels <= ANY_CHANNELS_MAX_PIXELS or (
         pixels <= PREFERRED_MAX_PIXELS and min(xs[1], ws[0]) >= PREFERRED_MIN_CHANNELS)
 
 
 cdef struct TapShape:
     Py_ssize_t N, C, H, W, Co, kh, kw, sh, sw, ph, pw, Ho, Wo
+    Py_ssize_t Hq, Wq   # a stride phase's plane: ceil(H / sh) x ceil(W / sw)
     Py_ssize_t taps     # kh*kw
-    Py_ssize_t in_ld    # H*W*N: one input channel of x~
+    Py_ssize_t in_ld    # sh*sw*Hq*Wq*N: one input channel of x~
     Py_ssize_t out_ld   # Ho*Wo*N: one output channel of y~
     Py_ssize_t runs     # how many runs the taps have in all
 
@@ -79,39 +85,43 @@ cdef struct Run:
     Py_ssize_t length   # columns
 
 
+cdef inline Py_ssize_t _floor_div(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    # (the module divides the C way, truncating; a tap's offset from the padding can be < 0)
+    return a // b if a >= 0 else -((-a + b - 1) // b)
+
+
 cdef Py_ssize_t _list_runs(Run* runs, const TapShape* s) noexcept nogil:
     """Write the runs of every tap, grouped by tap in tap order, to runs (unless NULL);
-    return how many there are."""
-    cdef Py_ssize_t n = 0, i, j, top, bottom, lo, hi, oh, ow, ih
+    return how many there are.
+
+    Tap (i, j) reads input row oh*sh + i - ph = (oh + di)*sh + ai with 0 <= ai < sh: row
+    oh + di of stride phase ai, and likewise for columns; so an output row's valid pixels
+    read one contiguous row segment of one phase plane."""
+    cdef Py_ssize_t n = 0, i, j, top, bottom, lo, hi, oh, di, dj, plane, inp
     cdef Py_ssize_t N = s.N
     for i in range(s.kh):
         top = tap_first_valid(s.ph, i, s.sh, s.Ho)
         bottom = tap_end_valid(s.ph, i, s.sh, s.H, s.Ho)
+        di = _floor_div(i - s.ph, s.sh)
         for j in range(s.kw):
             lo = tap_first_valid(s.pw, j, s.sw, s.Wo)
             hi = tap_end_valid(s.pw, j, s.sw, s.W, s.Wo)
             if bottom <= top or hi <= lo:
                 continue   # the tap reads only padding
-            if s.sh == 1 and s.sw == 1 and lo == 0 and hi == s.Wo and s.Wo == s.W:
+            dj = _floor_div(j - s.pw, s.sw)
+            plane = ((i - s.ph - di * s.sh) * s.sw + j - s.pw - dj * s.sw) * s.Hq * s.Wq
+            if lo == 0 and hi == s.Wo and s.Wo == s.Wq:
                 # Whole rows on both sides, of the same length: the rows are one run.
                 if runs != NULL:
-                    runs[n] = Run(i * s.kw + j, top * s.Wo * N, (top + i - s.ph) * s.W * N,
-                                  (bottom - top) * s.Wo * N)
+                    runs[n] = Run(i * s.kw + j, top * s.Wo * N,
+                                  (plane + (top + di) * s.Wq) * N, (bottom - top) * s.Wo * N)
                 n += 1
                 continue
             for oh in range(top, bottom):
-                ih = oh * s.sh + i - s.ph
-                if s.sw == 1:
-                    if runs != NULL:
-                        runs[n] = Run(i * s.kw + j, (oh * s.Wo + lo) * N,
-                                      (ih * s.W + lo + j - s.pw) * N, (hi - lo) * N)
-                    n += 1
-                    continue
-                for ow in range(lo, hi):
-                    if runs != NULL:
-                        runs[n] = Run(i * s.kw + j, (oh * s.Wo + ow) * N,
-                                      (ih * s.W + ow * s.sw + j - s.pw) * N, N)
-                    n += 1
+                if runs != NULL:
+                    inp = (plane + (oh + di) * s.Wq + lo + dj) * N
+                    runs[n] = Run(i * s.kw + j, (oh * s.Wo + lo) * N, inp, (hi - lo) * N)
+                n += 1
     return n
 
 
@@ -124,20 +134,23 @@ cdef TapShape _shape(object xa, object wa, object stride, object padding) except
     s.Ho = (s.H + 2 * s.ph - s.kh) // s.sh + 1
     s.Wo = (s.W + 2 * s.pw - s.kw) // s.sw + 1
     s.taps = s.kh * s.kw
-    s.in_ld = s.H * s.W * s.N
+    s.Hq = (s.H + s.sh - 1) // s.sh
+    s.Wq = (s.W + s.sw - 1) // s.sw
+    s.in_ld = s.sh * s.sw * s.Hq * s.Wq * s.N
     s.out_ld = s.Ho * s.Wo * s.N
     check_blas_dim("tapgemm: C_in", s.C)
     check_blas_dim("tapgemm: C_out", s.Co)
-    check_blas_dim("tapgemm: N*H*W", s.in_ld)
+    check_blas_dim("tapgemm: N*H*W (in stride phases)", s.in_ld)
     check_blas_dim("tapgemm: N*H_out*W_out", s.out_ld)
     s.runs = _list_runs(NULL, &s)
     return s
 
 
-cdef inline void _transpose(floating* dst, Py_ssize_t dst_ld, const floating* src,
-                            Py_ssize_t src_ld, Py_ssize_t rows, Py_ssize_t cols,
-                            bint accumulate) noexcept nogil:
-    """dst[c, r] (=, or += if accumulate) src[r, c] for r < rows, c < cols.
+cdef inline void _transpose(floating* dst, Py_ssize_t dst_ld, Py_ssize_t dst_step,
+                            const floating* src, Py_ssize_t src_ld, Py_ssize_t src_step,
+                            Py_ssize_t rows, Py_ssize_t cols, bint accumulate) noexcept nogil:
+    """dst[c*dst_ld + r*dst_step] (=, or += if accumulate) src[r*src_ld + c*src_step] for
+    r < rows, c < cols.
 
     Tile by tile, so that reads and writes both stay within a few cache lines per tile. Within
     a tile the side with the longer row stride is walked along its rows: the images of a batch
@@ -152,11 +165,13 @@ cdef inline void _transpose(floating* dst, Py_ssize_t dst_ld, const floating* sr
             if along_src:
                 for r in range(r0, r1):
                     for c in range(c0, c1):
-                        _put(dst + c * dst_ld + r, src[r * src_ld + c], accumulate)
+                        _put(dst + c * dst_ld + r * dst_step, src[r * src_ld + c * src_step],
+                             accumulate)
             else:
                 for c in range(c0, c1):
                     for r in range(r0, r1):
-                        _put(dst + c * dst_ld + r, src[r * src_ld + c], accumulate)
+                        _put(dst + c * dst_ld + r * dst_step, src[r * src_ld + c * src_step],
+                             accumulate)
 
 
 cdef inline void _put(floating* at, floating value, bint accumulate) noexcept nogil:
@@ -164,6 +179,42 @@ cdef inline void _put(floating* at, floating value, bint accumulate) noexcept no
         at[0] += value
     else:
         at[0] = value
+
+
+cdef inline Py_ssize_t _phase_position(const TapShape* s, Py_ssize_t h,
+                                       Py_ssize_t w) noexcept nogil:
+    """Where input pixel (h, w) lies in a channel of x~: its stride phase's plane, then its row
+    and column there."""
+    return (((h % s.sh) * s.sw + w % s.sw) * s.Hq + h // s.sh) * s.Wq + w // s.sw
+
+
+cdef void _to_tap_layout(floating* dst, const floating* src, Py_ssize_t src_ld,
+                         const TapShape* s) noexcept nogil:
+    """One channel of x~ (pixels in phase order, images innermost) from that channel's plane
+    (H, W) in every image, the images src_ld apart."""
+    cdef Py_ssize_t h, a
+    if s.sh == 1 and s.sw == 1:
+        _transpose(dst, s.N, 1, src, src_ld, 1, s.N, s.H * s.W, False)
+        return
+    for h in range(s.H):
+        for a in range(s.sw if s.sw < s.W else s.W):
+            # row h's pixels a, a + sw, ...: consecutive in their phase's row
+            _transpose(dst + _phase_position(s, h, a) * s.N, s.N, 1, src + h * s.W + a, src_ld,
+                       s.sw, s.N, (s.W - a + s.sw - 1) // s.sw, False)
+
+
+cdef void _from_tap_layout(floating* dst, Py_ssize_t dst_ld, const floating* src,
+                           const TapShape* s) noexcept nogil:
+    """The inverse of _to_tap_layout: every image's plane (H, W) of one channel, the images
+    dst_ld apart, from that channel of x~."""
+    cdef Py_ssize_t h, a
+    if s.sh == 1 and s.sw == 1:
+        _transpose(dst, dst_ld, 1, src, s.N, 1, s.H * s.W, s.N, False)
+        return
+    for h in range(s.H):
+        for a in range(s.sw if s.sw < s.W else s.W):
+            _transpose(dst + h * s.W + a, dst_ld, s.sw, src + _phase_position(s, h, a) * s.N,
+                       s.N, 1, (s.W - a + s.sw - 1) // s.sw, s.N, False)
 
 
 cdef inline Py_ssize_t _block_start(Py_ssize_t k, Py_ssize_t parts, Py_ssize_t n) noexcept nogil:
@@ -182,10 +233,10 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef Py_ssize_t k, c, o, o0, o1, r, q
     with parallel(num_threads=threads):
         for c in prange(s.C, schedule="static"):
-            _transpose(xt + c * s.in_ld, s.N, x + c * HW, s.C * HW, s.N, HW, False)
+            _to_tap_layout(xt + c * s.in_ld, x + c * HW, s.C * HW, s)
         for o in prange(s.Co, schedule="static"):
-            _transpose(wt + o * s.taps * s.C, s.C, w + o * s.C * s.taps, s.taps, s.C, s.taps,
-                       False)
+            _transpose(wt + o * s.taps * s.C, s.C, 1, w + o * s.C * s.taps, s.taps, 1, s.C,
+                       s.taps, False)
         for k in prange(threads, schedule="static"):
             o0 = _block_start(k, threads, s.Co)
             o1 = _block_start(k + 1, threads, s.Co)
@@ -200,7 +251,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                          xt + runs[r].inp, <int> s.in_ld, <floating> 1,
                          yt + o0 * s.out_ld + runs[r].out, <int> s.out_ld)
             for o in range(o0, o1):
-                _transpose(y + o * P, s.Co * P, yt + o * s.out_ld, s.N, P, s.N, False)
+                _transpose(y + o * P, s.Co * P, 1, yt + o * s.out_ld, s.N, 1, P, s.N, False)
 
 
 cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy,
@@ -213,17 +264,17 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef floating* dwt_t
     with parallel(num_threads=threads):
         for c in prange(s.C, schedule="static"):
-            _transpose(xt + c * s.in_ld, s.N, x + c * HW, s.C * HW, s.N, HW, False)
+            _to_tap_layout(xt + c * s.in_ld, x + c * HW, s.C * HW, s)
         for o in prange(s.Co, schedule="static"):
-            _transpose(dyt + o * s.out_ld, s.N, dy + o * P, s.Co * P, s.N, P, False)
+            _transpose(dyt + o * s.out_ld, s.N, 1, dy + o * P, s.Co * P, 1, s.N, P, False)
             if db != NULL:
                 acc = 0
                 for q in range(s.out_ld):
                     acc = acc + dyt[o * s.out_ld + q]
                 db[o] += acc
             if dx != NULL:
-                _transpose(wt + o * s.taps * s.C, s.C, w + o * s.C * s.taps, s.taps, s.C,
-                           s.taps, False)
+                _transpose(wt + o * s.taps * s.C, s.C, 1, w + o * s.C * s.taps, s.taps, 1,
+                           s.C, s.taps, False)
         for k in prange(threads, schedule="static"):
             # Weight gradient of this thread's output channels, tap by tap.
             o0 = _block_start(k, threads, s.Co)
@@ -243,8 +294,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                         beta = 1
                         r = r + 1
             for o in range(o0, o1):
-                _transpose(dw + o * s.C * s.taps, s.taps, dwt + o * s.taps * s.C, s.C, s.taps,
-                           s.C, True)
+                _transpose(dw + o * s.C * s.taps, s.taps, 1, dwt + o * s.taps * s.C, s.C, 1,
+                           s.taps, s.C, True)
             if dx == NULL:
                 continue
             # Input gradient of this thread's input channels.
@@ -258,7 +309,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                          dyt + runs[r].out, <int> s.out_ld, <floating> 1,
                          dxt + c0 * s.in_ld + runs[r].inp, <int> s.in_ld)
             for c in range(c0, c1):
-                _transpose(dx + c * HW, s.C * HW, dxt + c * s.in_ld, s.N, HW, s.N, False)
+                _from_tap_layout(dx + c * HW, s.C * HW, dxt + c * s.in_ld, s)
 
 
 cdef inline size_t _runs_bytes(const TapShape* s) noexcept nogil:

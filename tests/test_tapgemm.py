@@ -9,7 +9,8 @@ from conftest import at_thread_counts, require_torch
 
 # (N, C_in, H, W, C_out, kh, kw, stride, padding): VGG's 2x2 and AlexNet's 4x4 layers, scaled
 # down; channel counts that split into thread blocks with remainders (33, 40); rectangular
-# kernels and planes, per-axis stride and padding; strides, where every run is one pixel;
+# kernels and planes, per-axis stride and padding; strides, whose runs read stride phases
+# (odd planes give phases of unequal size);
 # taps that read only padding (a 1x1 plane at stride 2: only the centre tap reads it); a
 # kernel as large as the padded input; 1x1 kernels; a single image.
 CASES = [
@@ -125,7 +126,8 @@ def test_tapgemm_equals_im2col_on_any_shape(N, C, H, W, Co, kh, kw, sh, sw, ph, 
     ((64, 192, 4, 4), (384, 192, 3, 3), 1, 1, True),    # AlexNet's 4x4 layers
     ((64, 128, 4, 4), (128, 128, 3, 3), 1, 1, False),   # too few channels on 4x4
     ((64, 256, 8, 8), (256, 256, 3, 3), 1, 1, False),   # 8x8: Winograd
-    ((64, 256, 8, 8), (512, 256, 3, 3), 2, 1, False),   # strides: im2col
+    ((64, 256, 8, 8), (512, 256, 3, 3), 2, 1, True),    # ResNet's stride-2 layer to 4x4
+    ((64, 128, 16, 16), (256, 128, 3, 3), 2, 1, False),  # stride 2 to 8x8: im2col
     ((64, 512, 2, 2), (512, 512, 1, 1), 1, 0, False),   # 1x1: one tap, nothing to skip
 ])
 def test_tapgemm_preferred_where_measured_faster(x_shape, w_shape, stride, padding, preferred):

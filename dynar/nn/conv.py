@@ -30,7 +30,7 @@ def _pair(v):
 
 def preferred_kernel(x_shape, w_shape, stride, padding):
     """The kernel "auto" runs a layer on, by measurement (`python -m perf kernels`): the
-    direct kernels for few channel pairs, else the per-tap GEMMs on planes of 4x4 and less,
+    direct kernels for few channel pairs, else the per-tap GEMMs on outputs of 4x4 and less,
     else Winograd for 3x3 stride-1 layers, else im2col/GEMM ("gemm")."""
     for name, preferred in (("direct", direct_preferred), ("tapgemm", tapgemm_preferred),
                             ("winograd", winograd_preferred)):
