@@ -185,6 +185,13 @@ class GradientSynchronizer:
         if self._thread is None and self.compress and self.mode != "per-layer":
             return   # MPI_Iallreduce has no 16-bit wire: reduce in finish() instead
         while self._next < len(self.buckets) and self.buckets[self._next][1] <= stop:
+            if self._thread is not None and self._next == len(self.buckets) - 1:
+                # The last bucket is final when backward is: nothing is left to hide it
+                # behind, so finish() reduces it right away on this thread, with every core,
+                # instead of waking the communication thread (with more ranks than cores
+                # that wake-up waited for a time slice: LeNet's 1-bucket plan took 5.1 ms a
+                # step against fused mode's 2.7 ms on 4 emulated hosts).
+                break
             index = self._next
             self._next += 1
             if self.mode == "per-layer":
