@@ -53,6 +53,26 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     assert trials[0]["step"] == online.MEASURE_STEPS + 1 + online.TRIAL_STEPS
 
 
+def test_a_plan_with_more_buckets_must_win_by_more_than_the_tie_margin():
+    events = []
+    # "planned" (several buckets) measures 3% faster than the one bucket: within TIE, so
+    # the one bucket runs; at 10% faster the planned buckets do.
+    for margin, want in ((0.03, 1), (0.10, None)):
+        events.clear()
+        ctl = controller(events)
+        speed = {"default": 0.01, "planned": 0.008 * (1 - margin), "fused": 0.0085,
+                 "buckets": 0.012, "fused (mpi)": 0.008, "buckets (mpi)": 0.011}
+        drive(ctl, lambda name: speed[name], 60)
+        chosen = [e for e in events if e["phase"] == "chosen"]
+        assert len(chosen) == 1
+        planned = [e for e in events if e["phase"] == "trial" and e["candidate"] == "planned"]
+        assert planned and planned[0]["buckets"] > 1
+        if want == 1:
+            assert chosen[0]["candidate"] == "fused (mpi)" and chosen[0]["buckets"] == 1
+        else:
+            assert chosen[0]["candidate"] == "planned"
+
+
 def test_trials_on_fast_steps_run_long_enough_to_tell_candidates_apart():
     # At 0.5 ms a step, TRIAL_STEPS steps are 2 ms of timing: trials stretch to fill
     # TRIAL_SECONDS instead (and drift checks CHECK_SECONDS), bounded.
