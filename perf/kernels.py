@@ -6,8 +6,9 @@ torch.nn.functional.conv2d's with the same thread count, and the float32 GEMM ce
 (numpy `a @ b` at 2048^3) measured in the same run. "dynar" is the algorithm nn.Conv2d picks
 (nn.conv.preferred_kernel); every algorithm that supports the layer is timed too (im2col/GEMM
 and the per-tap GEMMs always, the direct kernels at stride 1, Winograd on 3x3 stride 1), which
-is the measurement behind that choice. Winograd's GFLOP/s count the direct convolution's multiply-adds, so they
-can exceed the ceiling.
+is the measurement behind that choice. Every GFLOP/s counts the direct convolution's
+multiply-adds, padding included: Winograd does fewer and the per-tap GEMMs skip the padding,
+so both can exceed the ceiling.
 """
 import numpy as np
 

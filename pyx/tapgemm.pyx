@@ -188,33 +188,35 @@ cdef inline Py_ssize_t _phase_position(const TapShape* s, Py_ssize_t h,
     return (((h % s.sh) * s.sw + w % s.sw) * s.Hq + h // s.sh) * s.Wq + w // s.sw
 
 
-cdef void _to_tap_layout(floating* dst, const floating* src, Py_ssize_t src_ld,
-                         const TapShape* s) noexcept nogil:
-    """One channel of x~ (pixels in phase order, images innermost) from that channel's plane
-    (H, W) in every image, the images src_ld apart."""
-    cdef Py_ssize_t h, a
-    if s.sh == 1 and s.sw == 1:
-        _transpose(dst, s.N, 1, src, src_ld, 1, s.N, s.H * s.W, False)
-        return
-    for h in range(s.H):
-        for a in range(s.sw if s.sw < s.W else s.W):
-            # row h's pixels a, a + sw, ...: consecutive in their phase's row
-            _transpose(dst + _phase_position(s, h, a) * s.N, s.N, 1, src + h * s.W + a, src_ld,
-                       s.sw, s.N, (s.W - a + s.sw - 1) // s.sw, False)
+cdef void _relayout(floating* planes, Py_ssize_t planes_ld, floating* channel,
+                    const TapShape* s, bint into_channel) noexcept nogil:
+    """Between one input channel's plane (H, W) in every image (planes, the images planes_ld
+    apart) and that channel of x~ (pixels in phase order, images innermost): into the
+    channel if into_channel, else back. Piece by piece: a row's pixels of one column phase
+    (a, a + sw, ...) are consecutive in x~; at stride 1 the whole plane is one piece."""
+    cdef bint strided = s.sh > 1 or s.sw > 1
+    cdef Py_ssize_t rows = s.H if strided else 1
+    cdef Py_ssize_t phases = (s.sw if s.sw < s.W else s.W) if strided else 1
+    cdef Py_ssize_t h, a, n, step
+    cdef floating* piece
+    for h in range(rows):
+        for a in range(phases):
+            if strided:
+                n, step = (s.W - a + s.sw - 1) // s.sw, s.sw
+            else:
+                n, step = s.H * s.W, 1
+            piece = channel + _phase_position(s, h, a) * s.N
+            if into_channel:
+                _transpose(piece, s.N, 1, planes + h * s.W + a, planes_ld, step, s.N, n, False)
+            else:
+                _transpose(planes + h * s.W + a, planes_ld, step, piece, s.N, 1, n, s.N, False)
 
 
-cdef void _from_tap_layout(floating* dst, Py_ssize_t dst_ld, const floating* src,
-                           const TapShape* s) noexcept nogil:
-    """The inverse of _to_tap_layout: every image's plane (H, W) of one channel, the images
-    dst_ld apart, from that channel of x~."""
-    cdef Py_ssize_t h, a
-    if s.sh == 1 and s.sw == 1:
-        _transpose(dst, dst_ld, 1, src, s.N, 1, s.H * s.W, s.N, False)
-        return
-    for h in range(s.H):
-        for a in range(s.sw if s.sw < s.W else s.W):
-            _transpose(dst + h * s.W + a, dst_ld, s.sw, src + _phase_position(s, h, a) * s.N,
-                       s.N, 1, (s.W - a + s.sw - 1) // s.sw, s.N, False)
+cdef inline void _repack_weights(floating* wt, const floating* w, const TapShape* s,
+                                 Py_ssize_t o) noexcept nogil:
+    """Output channel o of wt (C_out, taps, C_in) from w (C_out, C_in, kh, kw)."""
+    _transpose(wt + o * s.taps * s.C, s.C, 1, w + o * s.C * s.taps, s.taps, 1, s.C, s.taps,
+               False)
 
 
 cdef inline Py_ssize_t _block_start(Py_ssize_t k, Py_ssize_t parts, Py_ssize_t n) noexcept nogil:
@@ -233,10 +235,9 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef Py_ssize_t k, c, o, o0, o1, r, q
     with parallel(num_threads=threads):
         for c in prange(s.C, schedule="static"):
-            _to_tap_layout(xt + c * s.in_ld, x + c * HW, s.C * HW, s)
+            _relayout(<floating*> x + c * HW, s.C * HW, xt + c * s.in_ld, s, True)
         for o in prange(s.Co, schedule="static"):
-            _transpose(wt + o * s.taps * s.C, s.C, 1, w + o * s.C * s.taps, s.taps, 1, s.C,
-                       s.taps, False)
+            _repack_weights(wt, w, s, o)
         for k in prange(threads, schedule="static"):
             o0 = _block_start(k, threads, s.Co)
             o1 = _block_start(k + 1, threads, s.Co)
@@ -264,7 +265,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef floating* dwt_t
     with parallel(num_threads=threads):
         for c in prange(s.C, schedule="static"):
-            _to_tap_layout(xt + c * s.in_ld, x + c * HW, s.C * HW, s)
+            _relayout(<floating*> x + c * HW, s.C * HW, xt + c * s.in_ld, s, True)
         for o in prange(s.Co, schedule="static"):
             _transpose(dyt + o * s.out_ld, s.N, 1, dy + o * P, s.Co * P, 1, s.N, P, False)
             if db != NULL:
@@ -273,8 +274,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     acc = acc + dyt[o * s.out_ld + q]
                 db[o] += acc
             if dx != NULL:
-                _transpose(wt + o * s.taps * s.C, s.C, 1, w + o * s.C * s.taps, s.taps, 1,
-                           s.C, s.taps, False)
+                _repack_weights(wt, w, s, o)
         for k in prange(threads, schedule="static"):
             # Weight gradient of this thread's output channels, tap by tap.
             o0 = _block_start(k, threads, s.Co)
@@ -309,7 +309,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                          dyt + runs[r].out, <int> s.out_ld, <floating> 1,
                          dxt + c0 * s.in_ld + runs[r].inp, <int> s.in_ld)
             for c in range(c0, c1):
-                _from_tap_layout(dx + c * HW, s.C * HW, dxt + c * s.in_ld, s)
+                _relayout(dx + c * HW, s.C * HW, dxt + c * s.in_ld, s, False)
 
 
 cdef inline size_t _runs_bytes(const TapShape* s) noexcept nogil:

@@ -26,7 +26,7 @@ CASES = [
 
 def _direct(x, w, b, padding, dy, with_dx=True):
     return conv_checks.run(direct.direct_forward, direct.direct_backward, x, w, b, padding,
-                            dy, with_dx)
+                           dy, with_dx)
 
 
 def _inputs(rng, case, dtype, bias=True):

@@ -29,7 +29,7 @@ LANE_CASES = CASES[-3:]
 
 def _winograd(x, w, b, padding, dy, with_dx=True):
     return conv_checks.run(winograd.winograd_forward, winograd.winograd_backward, x, w, b,
-                            padding, dy, with_dx)
+                           padding, dy, with_dx)
 
 
 _im2col = conv_checks.im2col
