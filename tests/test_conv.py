@@ -106,6 +106,29 @@ def test_conv2d_float32_matches_pytorch(case, rng):
         np.testing.assert_allclose(db, bt.grad.numpy(), rtol=1e-4, atol=1e-3)
 
 
+# Stride-2 rows go in chunks of 16, 8 or 4 floats (8, 4, 2 doubles), the last one overlapping
+# the one before, and rows shorter than that one by one (include/plane_rows.h): widths 1-40
+# meet every case, and
+# the first kernel column's rows start one element in (it reads the padding there).
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kernel,padding", [(3, 1), (1, 0), (5, 2)])
+def test_conv2d_stride_two_rows_of_every_width(dtype, kernel, padding, rng):
+    torch = require_torch()
+    for width in range(max(1, kernel - 2 * padding), 41):
+        x = rng.standard_normal((2, 3, 5, width)).astype(dtype)
+        w = rng.standard_normal((4, 3, kernel, kernel)).astype(dtype)
+        xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        wt = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+        yt = torch.nn.functional.conv2d(xt, wt, None, 2, padding)
+        dy = rng.standard_normal(tuple(yt.shape)).astype(dtype)
+        yt.backward(torch.tensor(dy, dtype=torch.float64))
+        y, dx, dw, _ = _run(x, w, None, 2, padding, dy)
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(y, yt.detach().numpy(), **tol, err_msg=f"width {width}")
+        np.testing.assert_allclose(dx, xt.grad.numpy(), **tol, err_msg=f"width {width}")
+        np.testing.assert_allclose(dw, wt.grad.numpy(), **tol, err_msg=f"width {width}")
+
+
 # (shape, per_image): outputs of >= 256 pixels get one GEMM per image, so forward and input
 # gradient are bitwise thread-independent; smaller outputs batch ceil(N/threads)-bounded
 # groups of images into one GEMM, where BLAS may sum in another order.
