@@ -139,6 +139,17 @@ DYNAR_STRIDE2_VECTORS(double, d, 2)
 #define DYNAR_SCATTER2_ADD_ROW DYNAR_GATHER2_ROW
 #endif
 
+/* Ask for the cache lines of bytes at p ahead of their first use. */
+static inline void prefetch_bytes(const void *p, ptrdiff_t bytes)
+{
+#if defined(__GNUC__)
+    for (ptrdiff_t o = 0; o < bytes; o += 64)
+        __builtin_prefetch((const char *)p + o);
+#else
+    (void)p; (void)bytes;
+#endif
+}
+
 #define DYNAR_PLANE_ROWS(REAL, SUFFIX, W0, W1, W2)                                                       \
 /* dst + r * dst_ld = the n elements at src + r * src_ld, for r < rows. */                   \
 DYNAR_NO_LIBC_LOOPS static void rows_copy_##SUFFIX(REAL *restrict dst, ptrdiff_t dst_ld,    \

@@ -36,6 +36,7 @@ DEF COL_TILE_BYTES = 512 * 1024
 
 
 cdef extern from "plane_rows.h" nogil:
+    void prefetch_bytes(const void* p, Py_ssize_t bytes)
     void rows_unfold_f(float* dst, const float* src, Py_ssize_t rows, Py_ssize_t ld,
                        Py_ssize_t wo, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t step)
     void rows_unfold_d(double* dst, const double* src, Py_ssize_t rows, Py_ssize_t ld,
@@ -77,6 +78,8 @@ cdef void im2col(floating* col, Py_ssize_t ld, const floating* x, const ConvShap
     cdef floating* dst
     cdef const floating* src
     for c in range(s.C):
+        if c + 1 < s.C:
+            prefetch_bytes(x + (c + 1) * s.H * s.W, s.H * s.W * sizeof(floating))
         for i in range(s.kh):
             _valid_rows(s, i, oh0, oh1, &top, &bottom)
             for j in range(s.kw):
