@@ -25,12 +25,11 @@
 #define DYNAR_NO_LIBC_LOOPS
 #endif
 
-/* LOOP with STEP a compile-time 1 or 2 where step is (the strides of nearly every network),
- * so the compiler vectorizes it (a stride-2 gather is two loads and a permute); else step. */
+/* LOOP with STEP a compile-time 1 where step is 1, so the compiler vectorizes it as a plain
+ * copy; else step (stride 2 has its own vector code below). */
 #define DYNAR_AT_STEP(step, LOOP)                                                             \
     do {                                                                                      \
         if ((step) == 1) { enum { STEP = 1 }; LOOP }                                          \
-        else if ((step) == 2) { enum { STEP = 2 }; LOOP }                                     \
         else { const ptrdiff_t STEP = (step); LOOP }                                          \
     } while (0)
 
@@ -150,7 +149,9 @@ static inline void prefetch_bytes(const void *p, ptrdiff_t bytes)
 #endif
 }
 
-#define DYNAR_PLANE_ROWS(REAL, SUFFIX, W0, W1, W2)                                                       \
+/* The row loops for one element type; W0 > W1 > W2: its stride-2 chunk widths (64, 32 and
+ * 16 bytes). */
+#define DYNAR_PLANE_ROWS(REAL, SUFFIX, W0, W1, W2)                                          \
 /* dst + r * dst_ld = the n elements at src + r * src_ld, for r < rows. */                   \
 DYNAR_NO_LIBC_LOOPS static void rows_copy_##SUFFIX(REAL *restrict dst, ptrdiff_t dst_ld,    \
                                                    const REAL *restrict src,                \
