@@ -77,9 +77,14 @@ cdef void im2col(floating* col, Py_ssize_t ld, const floating* x, const ConvShap
     cdef Py_ssize_t c, i, j, lo, hi, top, bottom
     cdef floating* dst
     cdef const floating* src
+    # The input rows the tile reads, which the next channel's are fetched ahead of.
+    cdef Py_ssize_t first_row = oh0 * s.sh - s.ph, end_row = (oh1 - 1) * s.sh - s.ph + s.kh
+    first_row = first_row if first_row > 0 else 0
+    end_row = end_row if end_row < s.H else s.H
     for c in range(s.C):
-        if c + 1 < s.C:
-            prefetch_bytes(x + (c + 1) * s.H * s.W, s.H * s.W * sizeof(floating))
+        if c + 1 < s.C and end_row > first_row:
+            prefetch_bytes(x + ((c + 1) * s.H + first_row) * s.W,
+                           (end_row - first_row) * s.W * sizeof(floating))
         for i in range(s.kh):
             _valid_rows(s, i, oh0, oh1, &top, &bottom)
             for j in range(s.kw):
