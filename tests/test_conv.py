@@ -106,10 +106,10 @@ def test_conv2d_float32_matches_pytorch(case, rng):
         np.testing.assert_allclose(db, bt.grad.numpy(), rtol=1e-4, atol=1e-3)
 
 
-# Stride-2 rows go in chunks of 16, 8 or 4 floats (8, 4, 2 doubles), the last one overlapping
-# the one before, and rows shorter than that one by one (include/plane_rows.h): widths 1-40
-# meet every case, and
-# the first kernel column's rows start one element in (it reads the padding there).
+# Stride-2 rows go in vector chunks of 16, 8 or 4 floats (8, 4, 2 doubles) and the rest one
+# by one (include/plane_rows.h; im2col's last chunk overlaps the one before, col2im's chunks
+# descend in width): widths 1-40 meet every combination, and the first kernel column's rows
+# start one element in (it reads the padding there).
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kernel,padding", [(3, 1), (1, 0), (5, 2)])
 def test_conv2d_stride_two_rows_of_every_width(dtype, kernel, padding, rng):
