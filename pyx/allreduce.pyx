@@ -642,7 +642,7 @@ cdef class Collective:
                           (n + chunk) * 2 if w != WIRE_NATIVE else 0)
         elif alg == ALG_RECURSIVE_DOUBLING or alg == ALG_RABENSEIFNER:
             self._reserve(n * c.item, 0)
-        elif self.local_size == 1:    # hierarchical, one rank per node: a ring over nodes
+        elif self.nodes == self.size:  # hierarchical, one rank per node: a ring over nodes
             self._reserve(chunk * c.item, 0)
         else:                         # hierarchical: the leaders' ring runs on window pieces
             self._reserve((SHARED_SLOT_BYTES // c.item // self.nodes + 1) * c.item, 0)
@@ -653,9 +653,7 @@ cdef class Collective:
         c.send16 = self.wire_space + n if self.wire_space != NULL else NULL
         lead = c
         lead.comm = self.leaders
-        lead.rank = self.rank if self.local_size == 1 else 0
-        if self.local_rank == 0:
-            lead.rank = self._leaders.Get_rank()
+        lead.rank = self._leaders.Get_rank() if self.local_rank == 0 else 0
         lead.size = self.nodes
         cdef char* p = <char*> data(a)
         cdef double factor = 1.0 / self.size
@@ -669,8 +667,10 @@ cdef class Collective:
                 err = _recursive_doubling(&c, p, n, factor)
             elif alg == ALG_RABENSEIFNER:
                 err = _rabenseifner(&c, p, n, factor)
-            elif self.local_size == 1:    # one rank per node: the leaders' ring is everything
+            elif self.nodes == self.size:  # one rank per node: the leaders' ring is everything
                 err = _ring(&lead, p, n, factor)
+            # else also on a node of one rank among larger nodes: every leader must cut the
+            # buffer into the same window pieces, or their rings' messages would not match
             else:
                 err = self._hierarchical(&c, &lead, p, n, factor)
         if err == OUT_OF_MEMORY:
