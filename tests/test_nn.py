@@ -260,6 +260,26 @@ def test_flat_buffers_alias_every_parameter_in_backward_order():
     assert not net.conv.weight.grad.any()
 
 
+def test_placed_flat_buffers_carry_forward_and_backward():
+    net, twin = small_net(), small_net()
+    x = np.random.default_rng(0).standard_normal((2, 2, 4, 4), dtype=np.float32)
+    dy = np.random.default_rng(1).standard_normal((2, 3), dtype=np.float32)
+    params = np.empty_like(net.flat_params)
+    params[:] = net.flat_params
+    grads = np.zeros_like(net.flat_grads)
+    net.place_flat_buffers(params, grads)
+    assert net.flat_params is params and net.flat_grads is grads
+    for p in net.parameters():
+        assert np.shares_memory(p.data, params) and np.shares_memory(p.grad, grads)
+        assert p.flat_slice[0] is params and p.flat_slice[1] is grads
+    np.testing.assert_array_equal(net.forward(x), twin.forward(x))
+    net.backward(dy)
+    twin.backward(dy)
+    np.testing.assert_array_equal(grads, twin.flat_grads)
+    with pytest.raises(ValueError, match="flat_grads must be float32 of shape"):
+        net.place_flat_buffers(params, np.zeros(grads.size + 1, np.float32))
+
+
 def test_grad_ready_hooks_fire_once_per_layer_with_final_gradients():
     net = small_net()
     x = np.random.default_rng(0).standard_normal((2, 2, 4, 4), dtype=np.float32)

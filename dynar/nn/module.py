@@ -152,9 +152,7 @@ class Module:
             for pname, p in m._parameters.items():
                 stop = start + p.size
                 flat_params[start:stop] = p.data.reshape(-1)
-                p.data = flat_params[start:stop].reshape(p.shape)
-                p.grad = flat_grads[start:stop].reshape(p.shape)
-                p.flat_slice = (flat_params, flat_grads, start)
+                p.flat_slice = (None, None, start)
                 names.append(f"{name}.{pname}" if name else pname)
                 start = stop
             object.__setattr__(m, "_grad_slice", (layer_start, start))
@@ -162,6 +160,25 @@ class Module:
             order.append((name, names, layer_start, start))
         object.__setattr__(self, "_grad_ready_hooks", hooks)
         object.__setattr__(self, "_grad_order", order)
+        object.__setattr__(self, "flat_params", flat_params)
+        object.__setattr__(self, "flat_grads", flat_grads)
+        return self.place_flat_buffers(flat_params, flat_grads)
+
+    def place_flat_buffers(self, flat_params, flat_grads):
+        """Make these arrays (1-D float32, the size of the flat buffers) the model's
+        flat_params and flat_grads: every Parameter's data and grad become views into them,
+        at the same places. Nothing is copied; the caller fills them. Distributed training
+        uses this to keep parameters in memory the ranks of a node share (dist/node_replica.py)."""
+        self._require_flat("place_flat_buffers")
+        for array, what in ((flat_params, "flat_params"), (flat_grads, "flat_grads")):
+            if array.dtype != np.float32 or array.shape != self.flat_params.shape:
+                raise ValueError(f"place_flat_buffers: {what} must be float32 of shape "
+                                 f"{self.flat_params.shape}, got {array.dtype} {array.shape}")
+        for p in self.parameters():
+            start = p.flat_slice[2]
+            p.data = flat_params[start:start + p.size].reshape(p.shape)
+            p.grad = flat_grads[start:start + p.size].reshape(p.shape)
+            p.flat_slice = (flat_params, flat_grads, start)
         object.__setattr__(self, "flat_params", flat_params)
         object.__setattr__(self, "flat_grads", flat_grads)
         return self

@@ -32,10 +32,16 @@ class SGD:
     """SGD(model.parameters() or model, lr, momentum=0, dampening=0, weight_decay=0,
     nesterov=False); argument order and semantics as torch.optim.SGD, one parameter group.
 
-    `lr` is a plain attribute, which the schedulers in dynar.optim.lr_scheduler set."""
+    `lr` is a plain attribute, which the schedulers in dynar.optim.lr_scheduler set.
+
+    For ranks of a node that share one copy of the parameters (dist.NodeReplica):
+    `momentum_storage` is a zeroed float32 array, as long as all parameters together, that
+    holds the velocity instead of a private one, and `shard=(lo, hi)` limits step() to
+    elements lo:hi of the parameters laid end to end (this rank's slice; the node's other
+    ranks update the rest). state_dict() still holds the whole velocity."""
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False):
+                 nesterov=False, *, momentum_storage=None, shard=None):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"SGD: lr, momentum and weight_decay must be >= 0, got lr={lr}, "
                              f"momentum={momentum}, weight_decay={weight_decay}")
@@ -50,19 +56,32 @@ class SGD:
         self._runs = _contiguous_runs(params.parameters() if isinstance(params, Module)
                                       else params)
         size = sum(p.size for p, _ in self._runs)
-        self.momentum_buffer = np.zeros(size, np.float32) if momentum else None
-        self._buffers = []
+        self.momentum_buffer = None
+        if momentum:
+            self.momentum_buffer = np.zeros(size, np.float32) if momentum_storage is None \
+                else momentum_storage
+            if self.momentum_buffer.shape != (size,) or self.momentum_buffer.dtype != np.float32:
+                raise ValueError(f"SGD: momentum_storage must be float32 of shape ({size},), "
+                                 f"got {self.momentum_buffer.dtype} {self.momentum_buffer.shape}")
+        lo, hi = (0, size) if shard is None else shard
+        if not 0 <= lo <= hi <= size:
+            raise ValueError(f"SGD: shard {shard} is not a range within the {size} parameters")
+        # (params, grads, velocity) pieces that step() updates: the runs cut to the shard.
+        self._pieces = []
         start = 0
-        for p, _ in self._runs:
-            self._buffers.append(None if self.momentum_buffer is None
-                                 else self.momentum_buffer[start:start + p.size])
+        for p, g in self._runs:
+            a, b = max(lo - start, 0), min(hi - start, p.size)
+            if a < b:
+                buf = self.momentum_buffer
+                self._pieces.append((p[a:b], g[a:b],
+                                     None if buf is None else buf[start + a:start + b]))
             start += p.size
 
     def step(self):
         # torch copies the first direction into the momentum buffer undamped; from a zero
         # buffer, dampening 0 on the first step gives exactly that
         dampening = self.dampening if self.steps else 0.0
-        for (params, grads), buf in zip(self._runs, self._buffers):
+        for params, grads, buf in self._pieces:
             sgd_step(params, grads, buf, self.lr, self.momentum, self.weight_decay,
                      self.nesterov, dampening)
         self.steps += 1
