@@ -44,9 +44,9 @@ from mpi4py.libmpi cimport (MPI_Aint, MPI_Comm, MPI_COMM_NULL, MPI_Datatype, MPI
                             MPI_Ibarrier, MPI_Irecv, MPI_Isend, MPI_Testall, MPI_Waitall, MPI_Win_allocate_shared, MPI_Win_free,
                             MPI_Win_lock_all, MPI_Win_shared_query, MPI_Win_sync,
                             MPI_Win_unlock_all)
-from mpi4py.MPI cimport Comm
+from mpi4py.MPI cimport Comm, Win
 
-from _validate cimport F32, FloatKind, check_float, data, float_kind
+from _validate cimport F32, FloatKind, check_float, check_real, data, float_kind
 
 from dynar.dist import wire
 from dynar.dist.nodes import split_by_node
@@ -214,6 +214,18 @@ cdef int _wait_all(int count, MPI_Request* requests) noexcept nogil:
         clock_gettime(CLOCK_MONOTONIC, &now)
         if (now.tv_sec - start.tv_sec) * 1000000000 + (now.tv_nsec - start.tv_nsec) > SPIN_NS:
             nanosleep(&pause, NULL)
+
+
+cdef int _window_barrier(MPI_Comm node, MPI_Win window) noexcept nogil:
+    # A barrier over the ranks sharing `window` that orders their plain loads and stores to it
+    # (MPI-3's unified model: sync, barrier, sync), waiting politely.
+    cdef MPI_Request request
+    MPI_Win_sync(window)
+    cdef int err = MPI_Ibarrier(node, &request)
+    if err == MPI_SUCCESS:
+        err = _wait_all(1, &request)
+    MPI_Win_sync(window)
+    return err
 
 
 cdef int _sendrecv(MPI_Comm comm, MPI_Datatype dtype, size_t item,
@@ -573,14 +585,7 @@ cdef class Collective:
         return 0
 
     cdef int _node_barrier(self) noexcept nogil:
-        # Order the node's plain loads/stores to the shared window around the barrier.
-        cdef MPI_Request request
-        MPI_Win_sync(self.window)
-        cdef int err = MPI_Ibarrier(self.local, &request)
-        if err == MPI_SUCCESS:
-            err = _wait_all(1, &request)
-        MPI_Win_sync(self.window)
-        return err
+        return _window_barrier(self.local, self.window)
 
     cdef int _hierarchical(self, Ctx* c, Ctx* leaders, char* buf, Py_ssize_t n,
                            double factor) noexcept nogil:
@@ -802,3 +807,60 @@ def start_mean(buf, Comm comm not None):
         p.count = i   # only the posted ones are waited for on deallocation
         raise RuntimeError(f"MPI_Iallreduce failed with error code {err}")
     return p
+
+
+# ---- node-shared memory ---------------------------------------------------------------------
+
+def window_barrier(Comm node not None, Win window not None):
+    """Barrier over `node` (the ranks sharing `window`, locked with MPI_Win_lock_all) after
+    which every store one rank made to the window before it is visible to the others. Waits
+    without keeping a core busy, like the algorithms, and releases the GIL."""
+    cdef MPI_Comm c = node.ob_mpi
+    cdef MPI_Win w = window.ob_mpi
+    cdef int err
+    with nogil:
+        err = _window_barrier(c, w)
+    if err != MPI_SUCCESS:
+        raise RuntimeError(f"node barrier failed with MPI error code {err}")
+
+
+# Elements summed per block by mean_into: the running sum stays in L1 while every source
+# streams through it once.
+DEF MEAN_BLOCK = 4096
+
+
+def mean_into(out, others, factor, threads=1):
+    """out = (out + others[0] + others[1] + ...) * factor, elementwise, in place, summed in
+    that order (float32, 1-D, all of one length). One pass over memory: the sum runs in blocks
+    that stay in cache while each source streams through. Large buffers are summed by
+    `threads` OpenMP threads; the GIL is released."""
+    cdef cnp.ndarray o = check_float("out", out, 1, F32, output=True)
+    cdef Py_ssize_t n = o.shape[0]
+    cdef list arrays = []
+    for k, a in enumerate(others):
+        a = check_float(f"others[{k}]", a, 1, F32)
+        if (<cnp.ndarray> a).shape[0] != n:
+            raise ValueError(f"others[{k}]: expected {n} elements like out, "
+                             f"got {(<cnp.ndarray> a).shape[0]}")
+        arrays.append(a)
+    cdef int count = len(arrays)
+    cdef const float** src = <const float**> malloc(max(count, 1) * sizeof(float*))
+    if src == NULL:
+        raise MemoryError("mean_into: cannot allocate the source list")
+    for k in range(count):
+        src[k] = <const float*> data(arrays[k])
+    cdef float* dst = <float*> data(o)
+    cdef float f = <float> check_real("factor", factor)
+    cdef int team = max(1, int(threads)) if n >= PARALLEL_MIN else 1
+    cdef Py_ssize_t blocks = (n + MEAN_BLOCK - 1) // MEAN_BLOCK, b, lo, m
+    cdef int j
+    with nogil:
+        if count == 0:
+            for b in range(n):
+                dst[b] = dst[b] * f
+        for b in prange(blocks, num_threads=team, schedule="static"):
+            lo = b * MEAN_BLOCK
+            m = n - lo if n - lo < MEAN_BLOCK else MEAN_BLOCK
+            for j in range(count):
+                _sum_into(dst + lo, src[j] + lo, m, f if j == count - 1 else <float> 1, 1)
+    free(src)

@@ -47,6 +47,18 @@ def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path
                                env={"DYNAR_SYNC_PROGRESS": progress}, atol=atol, rtol=1e-2)
 
 
+@pytest.mark.parametrize("ranks, nodes, replica", [
+    (4, 1, "{'ranks per node': 4, 'nodes': 1}"),
+    (4, 2, "{'ranks per node': 2, 'nodes': 2}"),     # slices allreduced among the nodes
+    (3, 2, "None")])                                   # 2 + 1 ranks: each keeps its replica
+def test_ranks_of_a_node_share_one_replica(single_rank, tmp_path, ranks, nodes, replica):
+    done = _check_against_single_rank(single_rank, tmp_path, "alexnet", ranks, MODES,
+                                      env={"EMULATED_NODES": str(nodes)})
+    for mode in MODES:
+        assert f"{mode}: {ranks} ranks, replicas identical, node replica {replica}" \
+            in done.stdout, done.stdout
+
+
 def _check_against_single_rank(single_rank, tmp_path, model, ranks, modes, env=None,
                                rtol=1e-4, atol=2e-5):
     # 10 SGD steps in float32 whose gradients were summed in another order: a few ulps per
@@ -59,6 +71,7 @@ def _check_against_single_rank(single_rank, tmp_path, model, ranks, modes, env=N
         params = np.load(tmp_path / f"{model}-{mode}-{ranks}.npy")
         np.testing.assert_allclose(params, reference, rtol=rtol, atol=atol,
                                    err_msg=f"{model}, {mode}, {ranks} ranks")
+    return done
 
 
 def _mpmd(args_a, args_b, env=None, timeout=60):

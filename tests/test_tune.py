@@ -21,9 +21,12 @@ def test_tune_writes_a_file_that_training_then_loads(tmp_path):
                                "hierarchical"}
     assert all(c["alpha"] >= 0 and c["beta"] > 0 for c in algorithms.values()), algorithms
 
+    # Each rank keeping its own replica: with one shared replica on this single node there
+    # would be no allreduce among nodes to plan.
     log = tmp_path / "log.jsonl"
     done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "12",
-                       "--eval-every", "0", "--threads", "1", "--log", str(log)], env=env)
+                       "--eval-every", "0", "--threads", "1", "--log", str(log)],
+                   env={**env, "DYNAR_NODE_REPLICA": "off"})
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [json.loads(line) for line in log.read_text().splitlines()
              if '"plan"' in line]

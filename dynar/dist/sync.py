@@ -24,6 +24,11 @@ MPI_Iallreduce, whose progress also has to be driven by hand. Where the MPI libr
 no SERIALIZED support, buckets fall back to MPI_Iallreduce driven by test() calls between
 layers on the training thread (DYNAR_SYNC_PROGRESS=calls forces it, for comparison and
 tests); dynamic mode then plans with the MPI library's algorithm only.
+
+With a node replica (dist/node_replica.py: the ranks of a node share parameters and
+gradient buffers), "reducing a bucket" is averaging this rank's slice of it over the node's
+buffers in place, then allreducing that slice among the nodes; the modes, buckets and plans
+are the same, planned for the slice's size over the nodes.
 """
 import os
 import queue
@@ -32,7 +37,7 @@ import time
 
 import numpy as np
 
-from . import planner, runtime, tuning, wire
+from . import costmodel, planner, runtime, tuning, wire
 from .online import OnlinePlanner
 from .trace import COMMUNICATION, TRAINING
 
@@ -84,17 +89,23 @@ class GradientSynchronizer:
     after backward (before the optimizer); close() when done. compress="fp16"/"bf16" puts
     16-bit values on the wire (ring allreduce, float32 sums, error feedback); on_event
     receives the planner's records (dicts with "event": "plan"); tracer (dist.trace.Tracer)
-    records per-layer and per-bucket spans."""
+    records per-layer and per-bucket spans. node (a dist.NodeReplica, built on the model
+    first) makes the ranks of each node average their shared gradients in place, each its
+    own slice, and allreduce only that slice among nodes; the optimizer must then update
+    only node.owned."""
 
     def __init__(self, model, comm, mode="dynamic", bucket_mb=25.0, compress=None,
-                 threads=1, on_event=None, tracer=None, tune_dir=None):
+                 threads=1, on_event=None, tracer=None, tune_dir=None, node=None):
         if mode not in MODES:
             raise ValueError(f"sync: unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if compress not in (None,) + COMPRESSION:
             raise ValueError(f"compress: unknown {compress!r}; choose fp16, bf16 or None")
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be positive, got {bucket_mb} MB")
-        self.mode, self.comm, self.compress = mode, comm, compress
+        if node is not None and compress:
+            raise ValueError("compress: a node-shared replica has no wire inside the node; "
+                             "compress without it")
+        self.mode, self.comm, self.compress, self.node = mode, comm, compress, node
         self.world = comm.Get_size()
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         self._grads = model.flat_grads
@@ -107,7 +118,12 @@ class GradientSynchronizer:
         if os.environ.get("DYNAR_SYNC_PROGRESS") == "calls":
             self.progress = "calls"
         self._ar = runtime.allreduce()
-        self.collective = runtime.collective(comm, reduce_threads=threads)
+        # With a node replica, MPI carries only each slice among the nodes.
+        self.collective = runtime.collective(comm if node is None else node.cross,
+                                             reduce_threads=threads)
+        among = self.collective.size
+        # Plans are agreed on by every rank of the job (the collective may span only a slice).
+        self._all_ranks = self.collective.comm_handle if node is None else comm.Dup()
         self._residual = np.zeros_like(self._grads) if compress else None
         self._tune_dir = tune_dir
         self._default_algorithm = "ring" if compress else "mpi"
@@ -115,13 +131,14 @@ class GradientSynchronizer:
         self.buckets = self._slices(planner.static_buckets(self._sizes, static, self.bucket_bytes,
                                                            self._default_algorithm))
         self.online = None
-        if mode == "dynamic" and self.world > 1:
+        if mode == "dynamic" and among > 1:
             # The cost model is found (loaded, or briefly tuned) when it first plans: after
             # the start-up agreement, so ranks of a misconfigured job never reach the tuning
             # collectives with different message sizes. On the wire a compressed bucket is
-            # half its float32 size.
+            # half its float32 size; with a node replica a bucket's slice is 1/L of it.
             wire = 2 if compress else 1
-            self.online = OnlinePlanner(self._sizes // wire, self._cost_model,
+            share = 1 if node is None else node.size
+            self.online = OnlinePlanner(self._sizes // (wire * share), self._cost_model,
                                         self._allowed_algorithms(), self._max_over_ranks,
                                         self._on_event, self.bucket_bytes // wire)
         self._thread = None
@@ -146,11 +163,22 @@ class GradientSynchronizer:
 
     def _max_over_ranks(self, values):
         out = np.empty_like(values)
-        self.collective.comm_handle.Allreduce(values, out, op=runtime.mpi().MAX)
+        self._all_ranks.Allreduce(values, out, op=runtime.mpi().MAX)
         return out
 
     def _cost_model(self):
-        return tuning.cost_model_for(self.collective, int(self._sizes.sum()), self._tune_dir)
+        largest = int(self._sizes.sum())
+        if self.node is None:
+            return tuning.cost_model_for(self.collective, largest, self._tune_dir)
+        # Only the node leaders' slice communicator measures; its model reaches the node's
+        # other ranks, so that every rank plans the same buckets.
+        found = None
+        if self.node.rank == 0:
+            model, source = tuning.cost_model_for(self.collective, largest // self.node.size,
+                                                  self._tune_dir)
+            found = (model.to_json(), source)
+        found = self.node.node.bcast(found, root=0)
+        return costmodel.CostModel.from_json(found[0]), found[1]
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -163,8 +191,10 @@ class GradientSynchronizer:
     def _reduce(self, index, threads=None):
         """Allreduce bucket `index` (on whichever thread calls this; `threads` sums)."""
         start, stop, algorithm = self.buckets[index]
-        buf = self._grads[start:stop]
         t0 = time.perf_counter()
+        if self.node is not None:
+            start, stop = self.node.average(start, stop, threads or self.collective.reduce_threads)
+        buf = self._grads[start:stop]
         if self.compress:
             self._ar.compress_with_feedback(buf, self._residual[start:stop], self.compress)
         self.collective.allreduce_mean(buf, algorithm, self.compress, threads)
@@ -182,8 +212,10 @@ class GradientSynchronizer:
         self._ready.append(now)
         if self.world == 1 or self.mode == "fused":
             return
-        if self._thread is None and self.compress and self.mode != "per-layer":
-            return   # MPI_Iallreduce has no 16-bit wire: reduce in finish() instead
+        if self._thread is None and (self.compress or self.node) and self.mode != "per-layer":
+            # MPI_Iallreduce has no 16-bit wire, and cannot average shared memory: reduce in
+            # finish() instead
+            return
         while self._next < len(self.buckets) and self.buckets[self._next][1] <= stop:
             if self._thread is not None and self._next == len(self.buckets) - 1:
                 # The last bucket is final when backward is: nothing is left to hide it
@@ -241,9 +273,12 @@ class GradientSynchronizer:
         self._handle.remove()
         if self._thread is not None:
             self._thread.close()
+        if self.node is not None:
+            self._all_ranks.Free()
         self.collective.free()
 
     def describe(self):
         """What every rank must agree on (part of the start-up fingerprint)."""
         return {"sync": self.mode, "buckets": [list(b) for b in self.buckets],
-                "progress": self.progress, "compress": self.compress}
+                "progress": self.progress, "compress": self.compress,
+                "node replica": None if self.node is None else self.node.describe()}

@@ -181,8 +181,15 @@ class _Run:
         self.test_loader = data.Loader(self.ds, cfg.batch_size, job.rank, job.world,
                                        split="test") if len(self.ds.y_test) else None
         self.criterion = nn.CrossEntropyLoss()
+        self.node = None
+        placement = {}
+        if job.distributed:
+            from ..dist import node_replica
+            if node_replica.wanted(job.comm, self.model, cfg.compress):
+                self.node = node_replica.NodeReplica(self.model, job.comm)
+                placement = dict(momentum_storage=self.node.momentum, shard=self.node.owned)
         self.opt = optim.SGD(self.model, lr=cfg.lr, momentum=cfg.momentum,
-                             weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+                             weight_decay=cfg.weight_decay, nesterov=cfg.nesterov, **placement)
         self.sched = _build_schedule(cfg, self.opt, self.loader.steps)
         self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
         if cfg.resume:
@@ -195,7 +202,8 @@ class _Run:
         if job.distributed:
             from ..dist.sync import GradientSynchronizer
             self.sync = GradientSynchronizer(self.model, job.comm, cfg.sync, cfg.bucket_mb,
-                                             cfg.compress, threads, self.report.event)
+                                             cfg.compress, threads, self.report.event,
+                                             node=self.node)
         job.agree(_fingerprint(cfg, self.model, self.loader, self.sync))
         self.tracer = None
         if cfg.trace:
@@ -204,7 +212,10 @@ class _Run:
             if self.sync is not None:
                 self.sync.tracer = self.tracer
         # Replicas start identical: rank 0's parameters and buffers everywhere.
-        job.broadcast(self.model.flat_params)
+        if self.node is not None:
+            self.node.broadcast_parameters()
+        else:
+            job.broadcast(self.model.flat_params)
         self._sync_buffers()
 
     # -- state ------------------------------------------------------------------------------
@@ -275,6 +286,8 @@ class _Run:
         exposed = self.sync.finish() if self.sync else 0.0
         t2 = time.perf_counter()
         self.opt.step()
+        if self.node is not None:
+            self.node.barrier()   # every slice updated before any rank reads the parameters
         if self.sched is not None:
             self.sched.step()
         t3 = time.perf_counter()
@@ -353,6 +366,7 @@ class _Run:
             model=cfg.model, variant=cfg.variant, dataset=self.ds.name,
             synthetic=bool(self.ds.synthetic), batch_size=cfg.batch_size,
             threads=self.threads, ranks=self.job.world, sync=cfg.sync if self.sync else None,
+            node_replica=None if self.node is None else self.node.describe(),
             compress=cfg.compress if self.sync else None,
             steps=self.global_step, epochs=self.epoch,
             final_accuracy=None if result is None else result["accuracy"],
@@ -363,6 +377,8 @@ class _Run:
             self.tracer.write(cfg.trace)
         if self.sync is not None:
             self.sync.close()
+        if self.node is not None:
+            self.node.close()
         return summary
 
 

@@ -1,7 +1,8 @@
 """Under mpiexec: train one model under each sync mode; rank 0 saves the parameters of each
 and checks that every rank holds identical bytes.
 
-argv: model outdir steps global_batch modes... (a mode may carry a wire format: dynamic:fp16)"""
+argv: model outdir steps global_batch modes... (a mode may carry a wire format: dynamic:fp16)
+EMULATED_NODES=k splits the ranks into k "nodes" (DYNAR_NODE_KEY) of consecutive ranks."""
 import hashlib
 import os
 import sys
@@ -13,6 +14,9 @@ from dynar.train import TrainConfig, train
 
 model, outdir, steps, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 job = Job.start()
+nodes = int(os.environ.get("EMULATED_NODES", "0"))
+if nodes:   # ranks 0..k-1 on "node" 0, the next on node 1, ...: contiguous blocks
+    os.environ["DYNAR_NODE_KEY"] = str(job.rank * nodes // job.world)
 for mode in sys.argv[5:]:
     sync, _, compress = mode.partition(":")
     extra = dict(variant="cifar", dropout=0.0) if model == "alexnet" else {}
@@ -26,4 +30,5 @@ for mode in sys.argv[5:]:
     if job.rank == 0:
         assert all(d == digests[0] for d in digests), f"{mode}: replicas differ: {digests}"
         np.save(os.path.join(outdir, f"{model}-{mode}-{job.world}.npy"), params)
-        print(f"{mode}: {job.world} ranks, replicas identical", flush=True)
+        print(f"{mode}: {job.world} ranks, replicas identical, node replica "
+              f"{result.summary['node_replica']}", flush=True)
