@@ -74,7 +74,7 @@ def _explore_steps(step_s):
     return online.MEASURE_STEPS + 1 + 6 * (trial + 1)
 
 
-def _dynar(launcher, name, variant, mode, steps, step_s=None):
+def _dynar(launcher, name, variant, mode, steps, step_s=None, env=None):
     """Per-step figures of `python -m dynar.train` (launcher None: one process); step_s,
     the step time another mode measured, sizes dynamic sync's exploration."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,13 +91,15 @@ def _dynar(launcher, name, variant, mode, steps, step_s=None):
             argv += ["--variant", variant]
         if name == "alexnet":
             argv += ["--dropout", "0"]
-        out = launcher.run(argv) if launcher else _single(argv)
+        out = launcher.run(argv, env) if launcher else _single(argv, env)
         if out.returncode != 0:
             raise RuntimeError(f"dynar {name} x{ranks} {mode}: {out.stderr.strip()[-2000:]}")
         with open(log) as f:
             records = [json.loads(line) for line in f]
     chosen = [r for r in records if r["event"] == "plan" and r["phase"] == "chosen"]
-    if mode == "dynamic" and not chosen:
+    summary = records[-1] if records and records[-1]["event"] == "summary" else {}
+    one_node = (summary.get("node_replica") or {}).get("nodes") == 1
+    if mode == "dynamic" and not chosen and not one_node:
         raise RuntimeError(f"dynar {name} x{ranks} dynamic: no plan chosen in {len(records)} "
                            f"log records")
     first = chosen[0]["step"] + 1 if chosen else WARMUP
@@ -109,6 +111,8 @@ def _dynar(launcher, name, variant, mode, steps, step_s=None):
         got["plan"] = [f"{chosen[-1]['candidate']}: {chosen[-1]['buckets']} buckets "
                        + ", ".join(f"{a} x{n}" for a, n in chosen[-1]["algorithms"].items())]
         got["explore_steps"] = [chosen[0]["step"]]
+    elif mode == "dynamic" and one_node:
+        got["plan"] = ["one node replica: no allreduce to plan"]
     return got
 
 
@@ -173,9 +177,15 @@ def worker(name, variant, steps):
     os._exit(0)
 
 
-def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True):
+# The modes again with every rank keeping its own replica (dist/node_replica.py), where
+# ranks share a node: what the shared replica is measured against.
+PER_RANK_REPLICA = "buckets, a replica per rank"
+
+
+def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True, replica_baseline=False):
     """Records for each model: dynar's modes and DDP on `launcher`'s ranks, plus each
-    framework's 1-rank baseline (single_rank) for scaling efficiency."""
+    framework's 1-rank baseline (single_rank) for scaling efficiency, and buckets with a
+    replica per rank (replica_baseline)."""
     records = []
     for name, variant in models:
         steps = max(3, int(STEPS[name] * steps_scale))
@@ -189,6 +199,12 @@ def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True):
         for mode in MODES:
             candidates[("dynar", launcher.ranks, mode)] = \
                 lambda mode=mode: _dynar(launcher, name, variant, mode, steps, fused_step_s())
+        modes = list(MODES)
+        if replica_baseline:
+            modes.append(PER_RANK_REPLICA)
+            candidates[("dynar", launcher.ranks, PER_RANK_REPLICA)] = \
+                lambda: _dynar(launcher, name, variant, "buckets", steps,
+                               env={"DYNAR_NODE_REPLICA": "off"})
         if single_rank:
             candidates[("dynar", 1, "fused")] = lambda: _dynar(None, name, variant, "fused", steps)
             candidates[("ddp", 1, None)] = lambda: _ddp(None, name, variant, steps)
@@ -199,7 +215,7 @@ def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True):
         med = {key: {k: statistics.median(v) for k, v in val.items() if k != "plan"}
                for key, val in runs.items()}
         ddp_rate = launcher.ranks * PER_RANK / med[("ddp", launcher.ranks, None)]["step"]
-        for key in [("dynar", launcher.ranks, m) for m in MODES] + [("ddp", launcher.ranks, None)]:
+        for key in [("dynar", launcher.ranks, m) for m in modes] + [("ddp", launcher.ranks, None)]:
             framework, ranks, mode = key
             rate = ranks * PER_RANK / med[key]["step"]
             rec = {"model": f"{name}-{variant}", "network": launcher.label,
@@ -235,7 +251,8 @@ def table(records):
 
 def run(quick=False):
     records = compare(LocalLauncher(RANKS), QUICK_MODELS if quick else MODELS,
-                      rounds=1 if quick else 2, steps_scale=0.5 if quick else 1.0)
+                      rounds=1 if quick else 2, steps_scale=0.5 if quick else 1.0,
+                      replica_baseline=True)
     text = table(records)
     print(text)
     print(f"\n{RANKS} ranks x 1 thread, {PER_RANK} images per rank; efficiency against each "
