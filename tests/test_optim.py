@@ -66,36 +66,35 @@ def test_sgd_on_some_parameters_updates_only_those():
     assert (model[0].weight.data == before[-model[0].weight.size - 5:-5].reshape(5, 6)).all()
 
 
-def test_sharded_sgds_over_one_velocity_equal_one_sgd():
-    # Ranks of a node sharing one replica: each updates its slice, all keep one velocity.
+def test_sgds_updating_parts_of_one_velocity_equal_one_sgd():
+    # Ranks of a node sharing one replica: each updates its parts, all keep one velocity.
     whole, split = net(), net()
     kw = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
     ref = optim.SGD(whole, **kw)
     n = split.flat_params.size
     velocity = np.zeros(n, np.float32)
-    cuts = [0, 7, 7, n // 2, n]       # an empty shard too
-    shards = [optim.SGD(split, **kw, momentum_storage=velocity, shard=(lo, hi))
-              for lo, hi in zip(cuts, cuts[1:])]
+    ranks = [optim.SGD(split, **kw, momentum_storage=velocity) for _ in range(3)]
+    parts = [[(0, 7), (n // 2, n - 3)], [(7, 7), (7, n // 2)], [(n - 3, n)]]  # one empty
     for step in range(4):
         fake_grads(whole, step)
         fake_grads(split, step)
         ref.step()
         before = split.flat_params.copy()
-        shards[2].step()                      # one shard alone touches its slice only
+        ranks[1].step(parts[1])               # one rank alone touches its parts only
         changed = np.flatnonzero(split.flat_params != before)
-        assert changed.size and changed.min() >= cuts[2] and changed.max() < cuts[3]
-        for opt in shards[:2] + shards[3:]:
-            opt.step()
+        assert changed.size and changed.min() >= 7 and changed.max() < n // 2
+        ranks[0].step(parts[0])
+        ranks[2].step(parts[2])
         np.testing.assert_array_equal(split.flat_params, whole.flat_params)
         np.testing.assert_array_equal(velocity, ref.momentum_buffer)
-    assert shards[0].state_dict()["momentum_buffer"].shape == (n,)
+    assert ranks[0].state_dict()["momentum_buffer"].shape == (n,)
 
 
-def test_sgd_rejects_a_bad_shard_or_velocity_storage():
+def test_sgd_rejects_a_bad_range_or_velocity_storage():
     model = net()
     n = model.flat_params.size
-    with pytest.raises(ValueError, match="shard"):
-        optim.SGD(model, lr=0.1, shard=(0, n + 1))
+    with pytest.raises(ValueError, match=rf"range \(0, {n + 1}\) is not within the {n} parameters"):
+        optim.SGD(model, lr=0.1).step([(0, n + 1)])
     with pytest.raises(ValueError, match="momentum_storage"):
         optim.SGD(model, lr=0.1, momentum=0.9, momentum_storage=np.zeros(n - 1, np.float32))
 

@@ -8,10 +8,10 @@ the whole optimizer over the whole model. Here each rank's gradient buffer lives
 window too, so for a bucket [start, stop) rank r of L:
 
     1. waits until every rank of the node has finished the bucket (a node barrier);
-    2. sums its slice of the bucket over the L gradient buffers into its own (one pass);
-    3. on several nodes, allreduces that slice with the ranks holding the same slice on
+    2. sums its 1/L part of the bucket over the L gradient buffers into its own (one pass);
+    3. on several nodes, allreduces that part with the ranks holding the same part on
        the other nodes (ranks with the same node index form a communicator: `cross`);
-then after backward each rank's optimizer updates its slice of the shared parameters and
+then after backward each rank's optimizer updates its parts of the shared parameters and
 velocity, and a node barrier ends the step before anyone reads a parameter again.
 
 Per rank and step that is about 3/L of the gradient's bytes for averaging and 1/L of the
@@ -25,43 +25,79 @@ compressed; otherwise, or with DYNAR_NODE_REPLICA=off (for comparisons), each ra
 own replica and the allreduce does everything.
 """
 import os
+import sys
 
 import numpy as np
 
 from . import nodes, runtime
 
 
-def wanted(comm, model, compress):
-    """Whether the job should share one replica per node. Collective over `comm`, and safe
-    to call before the ranks have checked that they agree on the model: ranks that differ in
-    anything this depends on all get False and the start-up agreement names the difference."""
+def wanted(comm, parameters=0, compress=None):
+    """Whether a job training `parameters` floats with `compress` should share one replica
+    per node. Collective over `comm`, and safe to call before the ranks have checked that
+    they agree on the model: ranks that differ in anything this depends on all get False,
+    and the start-up agreement names the difference."""
+    MPI = runtime.mpi()
     node = nodes.split_by_node(comm, nodes.env_node_key())
     local = node.Get_size()
+    # A DYNAR_NODE_KEY "node" must still share memory: all its ranks on one host.
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    host_id = host.bcast(comm.Get_rank(), root=0)
+    host.Free()
+    one_host = node.allreduce(host_id, op=MPI.MIN) == node.allreduce(host_id, op=MPI.MAX)
     node.Free()
     enabled = os.environ.get("DYNAR_NODE_REPLICA", "on") != "off"
-    mine = np.array([local, model.flat_params.size, compress is None, enabled], np.int64)
+    # MPI libraries back shared windows with files in /dev/shm; containers often mount a
+    # small one (Docker: 64 MB), where the window would fail to allocate or fault.
+    room = _shared_memory_room(4 * parameters * (local + 2))
+    mine = np.array([local, parameters, compress is None, enabled, one_host, room is None],
+                    np.int64)
     low = np.empty_like(mine)
     high = np.empty_like(mine)
-    MPI = runtime.mpi()
     comm.Allreduce(mine, low, op=MPI.MIN)
     comm.Allreduce(mine, high, op=MPI.MAX)
-    return bool((low == high).all() and local > 1 and compress is None and enabled)
+    alike = (low[:4] == high[:4]).all() and local > 1 and compress is None and enabled
+    if alike and low[4] and not low[5] and comm.Get_rank() == 0:
+        print(f"dynar: one replica per rank, not per node: {room or '/dev/shm is too small on another node'}",
+              file=sys.stderr, flush=True)
+    return bool(alike and low[4] and low[5])
+
+
+def _shared_memory_room(needed):
+    """None if /dev/shm can hold `needed` more bytes (or does not exist), else why not."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    free = stat.f_bavail * stat.f_frsize
+    if free >= needed:
+        return None
+    return (f"/dev/shm has {free / 2**20:,.0f} MB free, the shared replica needs "
+            f"{needed / 2**20:,.0f} MB (enlarge it, e.g. docker run --shm-size)")
+
+
+def split(comm):
+    """(node, cross): the ranks of this rank's node, and the ranks with this rank's index on
+    every node (each node's part of a bucket travels among them). Collective over `comm`."""
+    node = nodes.split_by_node(comm, nodes.env_node_key())
+    return node, comm.Split(color=node.Get_rank(), key=comm.Get_rank())
 
 
 class NodeReplica:
     """Moves `model`'s flat buffers into node-shared memory (collective over `comm`).
 
-    Then: `owned` is this rank's (lo, hi) slice of the flat buffers; `momentum` the shared
-    velocity to hand the optimizer; `cross` the communicator of the ranks that own the same
-    slice on every node. close() (collective) moves the model back to private memory."""
+    Then: `momentum` is the shared velocity to hand the optimizer (momentum_storage=), and
+    `cross` the communicator of the ranks with this rank's node index on every node, which
+    average the same parts. Each step: average() every bucket, then update the ranges
+    take_averaged() returns, then barrier(). close() (collective) moves the model back to
+    private memory; an optimizer holding `momentum` must not step after it."""
 
     def __init__(self, model, comm):
         MPI = runtime.mpi()
         self._ar = runtime.allreduce()
         self._model = model
-        self.node = nodes.split_by_node(comm, nodes.env_node_key())
+        self.node, self.cross = split(comm)
         self.size, self.rank = self.node.Get_size(), self.node.Get_rank()
-        self.cross = comm.Split(color=self.rank, key=comm.Get_rank())
         n = model.flat_params.size
         # Local rank 0 holds the node's parameters and velocity; every rank its gradient.
         # Non-contiguous allocation gives each rank its own pages, placed by its first touch.
@@ -80,7 +116,7 @@ class NodeReplica:
         self.grads[self.rank].fill(0)
         self.barrier()
         model.place_flat_buffers(self.params, self.grads[self.rank])
-        self.owned = (n * self.rank // self.size, n * (self.rank + 1) // self.size)
+        self._averaged = []
 
     def _segment(self, rank):
         memory, _ = self._window.Shared_query(rank)
@@ -97,16 +133,29 @@ class NodeReplica:
             self.cross.Bcast(self.params, root=0)
         self.barrier()
 
+    def part(self, start, stop):
+        """This rank's (lo, hi) of the flat range [start, stop): the node's ranks split every
+        bucket evenly, so all of them work on each bucket as soon as it is final."""
+        n = stop - start
+        return start + n * self.rank // self.size, start + n * (self.rank + 1) // self.size
+
     def average(self, start, stop, threads=1):
         """Once every rank of the node has finished gradients [start, stop): this rank's part
         of it, the mean over the node, in this rank's gradient buffer. Returns that part's
         (lo, hi), possibly empty; the caller averages it over `cross` next."""
-        lo, hi = max(start, self.owned[0]), min(stop, self.owned[1])
+        lo, hi = self.part(start, stop)
         self.barrier()
         if hi > lo:
             others = [g[lo:hi] for r, g in enumerate(self.grads) if r != self.rank]
             self._ar.mean_into(self.grads[self.rank][lo:hi], others, 1.0 / self.size, threads)
+        self._averaged.append((lo, hi))
         return lo, hi
+
+    def take_averaged(self):
+        """The (lo, hi) ranges this rank has averaged since the last call: the slices of the
+        shared parameters its optimizer step updates (the node's other ranks update the rest)."""
+        ranges, self._averaged = self._averaged, []
+        return ranges
 
     def describe(self):
         """What every rank of the job must agree on."""

@@ -91,8 +91,8 @@ class GradientSynchronizer:
     receives the planner's records (dicts with "event": "plan"); tracer (dist.trace.Tracer)
     records per-layer and per-bucket spans. node (a dist.NodeReplica, built on the model
     first) makes the ranks of each node average their shared gradients in place, each its
-    own slice, and allreduce only that slice among nodes; the optimizer must then update
-    only node.owned."""
+    own part of every bucket, and allreduce only that part among nodes; the optimizer must
+    then update only the parts node.take_averaged() returns."""
 
     def __init__(self, model, comm, mode="dynamic", bucket_mb=25.0, compress=None,
                  threads=1, on_event=None, tracer=None, tune_dir=None, node=None):
@@ -177,6 +177,7 @@ class GradientSynchronizer:
             model, source = tuning.cost_model_for(self.collective, largest // self.node.size,
                                                   self._tune_dir)
             found = (model.to_json(), source)
+        self.node.barrier()     # waits without spinning on the cores the leaders measure on
         found = self.node.node.bcast(found, root=0)
         return costmodel.CostModel.from_json(found[0]), found[1]
 

@@ -36,12 +36,12 @@ class SGD:
 
     For ranks of a node that share one copy of the parameters (dist.NodeReplica):
     `momentum_storage` is a zeroed float32 array, as long as all parameters together, that
-    holds the velocity instead of a private one, and `shard=(lo, hi)` limits step() to
-    elements lo:hi of the parameters laid end to end (this rank's slice; the node's other
-    ranks update the rest). state_dict() still holds the whole velocity."""
+    holds the velocity instead of a private one, and step(ranges) updates only those
+    [(lo, hi), ...] of the parameters laid end to end (this rank's parts; the node's other
+    ranks update the rest). state_dict() always holds the whole velocity."""
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, momentum_storage=None, shard=None):
+                 nesterov=False, *, momentum_storage=None):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"SGD: lr, momentum and weight_decay must be >= 0, got lr={lr}, "
                              f"momentum={momentum}, weight_decay={weight_decay}")
@@ -63,25 +63,33 @@ class SGD:
             if self.momentum_buffer.shape != (size,) or self.momentum_buffer.dtype != np.float32:
                 raise ValueError(f"SGD: momentum_storage must be float32 of shape ({size},), "
                                  f"got {self.momentum_buffer.dtype} {self.momentum_buffer.shape}")
-        lo, hi = (0, size) if shard is None else shard
-        if not 0 <= lo <= hi <= size:
-            raise ValueError(f"SGD: shard {shard} is not a range within the {size} parameters")
-        # (params, grads, velocity) pieces that step() updates: the runs cut to the shard.
-        self._pieces = []
-        start = 0
-        for p, g in self._runs:
-            a, b = max(lo - start, 0), min(hi - start, p.size)
-            if a < b:
-                buf = self.momentum_buffer
-                self._pieces.append((p[a:b], g[a:b],
-                                     None if buf is None else buf[start + a:start + b]))
-            start += p.size
+        self.size = size
+        self._whole = self._pieces([(0, size)])
 
-    def step(self):
+    def _pieces(self, ranges):
+        """(params, grads, velocity) views that cover `ranges` of the parameters laid end to
+        end, run by run."""
+        pieces = []
+        for lo, hi in ranges:
+            if not 0 <= lo <= hi <= self.size:
+                raise ValueError(f"SGD.step: range ({lo}, {hi}) is not within the "
+                                 f"{self.size} parameters")
+            start = 0
+            for p, g in self._runs:
+                a, b = max(lo - start, 0), min(hi - start, p.size)
+                if a < b:
+                    buf = self.momentum_buffer
+                    pieces.append((p[a:b], g[a:b],
+                                   None if buf is None else buf[start + a:start + b]))
+                start += p.size
+        return pieces
+
+    def step(self, ranges=None):
+        """One update of every parameter, or of `ranges` only (see the class docstring)."""
         # torch copies the first direction into the momentum buffer undamped; from a zero
         # buffer, dampening 0 on the first step gives exactly that
         dampening = self.dampening if self.steps else 0.0
-        for params, grads, buf in self._pieces:
+        for params, grads, buf in self._whole if ranges is None else self._pieces(ranges):
             sgd_step(params, grads, buf, self.lr, self.momentum, self.weight_decay,
                      self.nesterov, dampening)
         self.steps += 1

@@ -185,9 +185,9 @@ class _Run:
         placement = {}
         if job.distributed:
             from ..dist import node_replica
-            if node_replica.wanted(job.comm, self.model, cfg.compress):
+            if node_replica.wanted(job.comm, self.model.flat_params.size, cfg.compress):
                 self.node = node_replica.NodeReplica(self.model, job.comm)
-                placement = dict(momentum_storage=self.node.momentum, shard=self.node.owned)
+                placement = dict(momentum_storage=self.node.momentum)
         self.opt = optim.SGD(self.model, lr=cfg.lr, momentum=cfg.momentum,
                              weight_decay=cfg.weight_decay, nesterov=cfg.nesterov, **placement)
         self.sched = _build_schedule(cfg, self.opt, self.loader.steps)
@@ -285,9 +285,11 @@ class _Run:
         t1 = time.perf_counter()
         exposed = self.sync.finish() if self.sync else 0.0
         t2 = time.perf_counter()
-        self.opt.step()
-        if self.node is not None:
-            self.node.barrier()   # every slice updated before any rank reads the parameters
+        if self.node is None:
+            self.opt.step()
+        else:
+            self.opt.step(self.node.take_averaged())   # this rank's parts of every bucket
+            self.node.barrier()   # every part updated before any rank reads the parameters
         if self.sched is not None:
             self.sched.step()
         t3 = time.perf_counter()
