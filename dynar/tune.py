@@ -4,12 +4,15 @@ shape (ranks, ranks per node, MPI library, hosts) load instead of tuning briefly
 
 Run it under the same launcher and layout as training, e.g.
     mpiexec -n 8 --map-by ppr:2:node python -m dynar.tune
-Files go to $DYNAR_TUNE_DIR (default ~/.cache/dynar/tune), or --dir.
+When the nodes run more than one rank each, training shares one replica per node and only
+allreduces among nodes, so that is what is tuned (by one rank per node). Files go to
+$DYNAR_TUNE_DIR (default ~/.cache/dynar/tune), or --dir.
 """
 import argparse
 import sys
+import time
 
-from .dist import runtime, tuning
+from .dist import node_replica, runtime, tuning
 from .dist.job import Job
 
 
@@ -35,6 +38,14 @@ def build_parser():
     return p
 
 
+def _wait_politely(comm):
+    """A barrier over `comm` that sleeps while it waits (a spinning one would take the
+    measuring ranks' cores)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.repeats < 1:
@@ -45,10 +56,27 @@ def main(argv=None):
         print("error: nothing to tune on one process; run under mpiexec with 2 or more ranks",
               file=sys.stderr)
         return 2
+    say = print if job.rank == 0 else (lambda *a, **k: None)
+    comm = job.comm
+    if node_replica.wanted(comm):
+        # Training jobs of this shape keep one replica per node and allreduce each node's
+        # parts only among nodes: tune that, on the node leaders, while the others wait.
+        node, cross = node_replica.split(comm)
+        leader = node.Get_rank() == 0
+        node.Free()
+        if cross.Get_size() == 1 or not leader:
+            if cross.Get_size() == 1:
+                say("one node: its ranks share one replica of the model and send no "
+                    "gradients, so there is nothing to tune")
+            cross.Free()
+            _wait_politely(job.comm)
+            return 0
+        comm = cross
+        say(f"{job.world} ranks share one replica per node: tuning the allreduce among the "
+            f"{cross.Get_size()} nodes")
     try:
-        collective = runtime.collective(job.comm)
-        say = print if job.rank == 0 else (lambda *a, **k: None)
-        say(f"tuning {job.world} ranks ({collective.local_size} per node, {collective.nodes} "
+        collective = runtime.collective(comm)
+        say(f"tuning {collective.size} ranks ({collective.local_size} per node, {collective.nodes} "
             f"node(s)): {len(args.sizes)} sizes x 5 algorithms x {args.repeats} repeats")
         model, path, _ = tuning.tune(
             collective, args.sizes, args.repeats, args.dir,
@@ -57,6 +85,9 @@ def main(argv=None):
         collective.free()
     except Exception as exc:  # noqa: BLE001 - one line per failure, and the job ends
         job.abort(f"error: {exc}")
+    if comm is not job.comm:
+        comm.Free()
+        _wait_politely(job.comm)    # the leaders are done: release the waiting ranks
     say("fitted time = alpha + beta * bytes per algorithm:")
     for algorithm in model.algorithms:
         cost = model.cost(algorithm)

@@ -8,7 +8,9 @@ from mpirun import ROOT, run_mpi
 
 
 def test_tune_writes_a_file_that_training_then_loads(tmp_path):
-    env = {"DYNAR_TUNE_DIR": str(tmp_path)}
+    # Each rank keeping its own replica: with one shared replica on this single node there
+    # would be no allreduce among nodes to tune or plan (the next test).
+    env = {"DYNAR_TUNE_DIR": str(tmp_path), "DYNAR_NODE_REPLICA": "off"}
     done = run_mpi(2, ["-m", "dynar.tune", "--sizes", "4096,65536,1048576", "--repeats", "2"],
                    env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -21,17 +23,22 @@ def test_tune_writes_a_file_that_training_then_loads(tmp_path):
                                "hierarchical"}
     assert all(c["alpha"] >= 0 and c["beta"] > 0 for c in algorithms.values()), algorithms
 
-    # Each rank keeping its own replica: with one shared replica on this single node there
-    # would be no allreduce among nodes to plan.
     log = tmp_path / "log.jsonl"
     done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "12",
-                       "--eval-every", "0", "--threads", "1", "--log", str(log)],
-                   env={**env, "DYNAR_NODE_REPLICA": "off"})
+                       "--eval-every", "0", "--threads", "1", "--log", str(log)], env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     plans = [json.loads(line) for line in log.read_text().splitlines()
              if '"plan"' in line]
     assert plans and plans[0]["source"] == f"tuning file {files[0].stem}", plans
     assert len(list(tmp_path.glob("*.json"))) == 1     # loaded, not re-tuned
+
+
+def test_tune_on_one_node_with_a_shared_replica_has_nothing_to_tune(tmp_path):
+    done = run_mpi(2, ["-m", "dynar.tune", "--sizes", "4096,65536", "--repeats", "1"],
+                   env={"DYNAR_TUNE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "nothing to tune" in done.stdout
+    assert not list(tmp_path.glob("*.json"))
 
 
 def test_tune_refuses_a_single_process():
