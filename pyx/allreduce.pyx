@@ -843,6 +843,7 @@ def mean_into(out, others, factor, threads=1):
             raise ValueError(f"others[{k}]: expected {n} elements like out, "
                              f"got {(<cnp.ndarray> a).shape[0]}")
         arrays.append(a)
+    cdef float f = <float> check_real("factor", factor)
     cdef int count = len(arrays)
     cdef const float** src = <const float**> malloc(max(count, 1) * sizeof(float*))
     if src == NULL:
@@ -850,7 +851,6 @@ def mean_into(out, others, factor, threads=1):
     for k in range(count):
         src[k] = <const float*> data(arrays[k])
     cdef float* dst = <float*> data(o)
-    cdef float f = <float> check_real("factor", factor)
     cdef int team = max(1, int(threads)) if n >= PARALLEL_MIN else 1
     cdef Py_ssize_t blocks = (n + MEAN_BLOCK - 1) // MEAN_BLOCK, b, lo, m
     cdef int j

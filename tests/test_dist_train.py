@@ -31,9 +31,13 @@ def test_n_ranks_train_the_same_model_as_one(single_rank, tmp_path, model, ranks
     _check_against_single_rank(single_rank, tmp_path, model, ranks, MODES)
 
 
-def test_buckets_progressed_by_test_calls_instead_of_a_thread(single_rank, tmp_path):
+@pytest.mark.parametrize("replica", ["on", "off"])
+def test_buckets_progressed_by_test_calls_instead_of_a_thread(single_rank, tmp_path, replica):
+    # Off: MPI_Iallreduce per bucket, progressed between layers; on: buckets averaged in
+    # shared memory after backward.
     _check_against_single_rank(single_rank, tmp_path, "alexnet", 2, ["buckets"],
-                               env={"DYNAR_SYNC_PROGRESS": "calls"})
+                               env={"DYNAR_SYNC_PROGRESS": "calls",
+                                    "DYNAR_NODE_REPLICA": replica})
 
 
 @pytest.mark.parametrize("wire, progress", [("fp16", "thread"), ("bf16", "thread"),
@@ -50,10 +54,13 @@ def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path
 @pytest.mark.parametrize("ranks, nodes, replica", [
     (4, 1, "{'ranks per node': 4, 'nodes': 1}"),
     (4, 2, "{'ranks per node': 2, 'nodes': 2}"),     # slices allreduced among the nodes
-    (3, 2, "None")])                                   # 2 + 1 ranks: each keeps its replica
+    (3, 2, "None"),                                    # 2 + 1 ranks: each keeps its replica
+    (4, 1, "None")])                                   # DYNAR_NODE_REPLICA=off
 def test_ranks_of_a_node_share_one_replica(single_rank, tmp_path, ranks, nodes, replica):
-    done = _check_against_single_rank(single_rank, tmp_path, "alexnet", ranks, MODES,
-                                      env={"EMULATED_NODES": str(nodes)})
+    env = {"EMULATED_NODES": str(nodes)}
+    if nodes == 1 and replica == "None":
+        env["DYNAR_NODE_REPLICA"] = "off"
+    done = _check_against_single_rank(single_rank, tmp_path, "alexnet", ranks, MODES, env=env)
     for mode in MODES:
         assert f"{mode}: {ranks} ranks, replicas identical, node replica {replica}" \
             in done.stdout, done.stdout
@@ -153,3 +160,9 @@ def test_fp16_compressed_dynamic_sync_trains_lenet_to_96_percent_with_a_trace(tm
     comm = [e for e in spans if e["tid"] == 1]
     assert comm and all(e["args"]["wire"] == "fp16" and e["args"]["bytes"] > 0 for e in comm)
     assert any(e["name"].startswith("backward ") and e["tid"] == 0 for e in spans)
+
+
+def test_a_small_dev_shm_is_named_not_crashed_into():
+    from dynar.dist import node_replica
+    assert node_replica._shared_memory_room(0) is None
+    assert "the shared replica needs" in node_replica._shared_memory_room(2 ** 60)

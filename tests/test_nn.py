@@ -276,8 +276,10 @@ def test_placed_flat_buffers_carry_forward_and_backward():
     net.backward(dy)
     twin.backward(dy)
     np.testing.assert_array_equal(grads, twin.flat_grads)
-    with pytest.raises(ValueError, match="flat_grads must be float32 of shape"):
+    with pytest.raises(ValueError, match="flat_grads must be a writeable contiguous float32"):
         net.place_flat_buffers(params, np.zeros(grads.size + 1, np.float32))
+    with pytest.raises(ValueError, match="flat_params must be a writeable contiguous"):
+        net.place_flat_buffers(np.zeros(2 * params.size, np.float32)[::2], grads)
 
 
 def test_grad_ready_hooks_fire_once_per_layer_with_final_gradients():

@@ -171,9 +171,11 @@ class Module:
         uses this to keep parameters in memory the ranks of a node share (dist/node_replica.py)."""
         self._require_flat("place_flat_buffers")
         for array, what in ((flat_params, "flat_params"), (flat_grads, "flat_grads")):
-            if array.dtype != np.float32 or array.shape != self.flat_params.shape:
-                raise ValueError(f"place_flat_buffers: {what} must be float32 of shape "
-                                 f"{self.flat_params.shape}, got {array.dtype} {array.shape}")
+            if array.dtype != np.float32 or array.shape != self.flat_params.shape \
+                    or not array.flags.c_contiguous or not array.flags.writeable:
+                raise ValueError(f"place_flat_buffers: {what} must be a writeable contiguous "
+                                 f"float32 array of shape {self.flat_params.shape}, got "
+                                 f"{array.dtype} {array.shape}")
         for p in self.parameters():
             start = p.flat_slice[2]
             p.data = flat_params[start:start + p.size].reshape(p.shape)
