@@ -135,12 +135,13 @@ class GradientSynchronizer:
             # The cost model is found (loaded, or briefly tuned) when it first plans: after
             # the start-up agreement, so ranks of a misconfigured job never reach the tuning
             # collectives with different message sizes. On the wire a compressed bucket is
-            # half its float32 size; with a node replica a bucket's slice is 1/L of it.
+            # half its float32 size; with a node replica a rank sends 1/L of each bucket, so
+            # the 25 MB baseline is 25/L MB in those units.
             wire = 2 if compress else 1
             share = 1 if node is None else node.size
             self.online = OnlinePlanner(self._sizes // (wire * share), self._cost_model,
                                         self._allowed_algorithms(), self._max_over_ranks,
-                                        self._on_event, self.bucket_bytes // wire)
+                                        self._on_event, self.bucket_bytes // (wire * share))
         self._thread = None
         if self.world > 1 and self.progress == "thread" and mode in ("buckets", "dynamic"):
             self._thread = _CommThread()
