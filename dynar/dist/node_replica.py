@@ -1,6 +1,6 @@
 """One replica per node: the ranks of a node keep a single copy of the model's parameters and
 the optimizer's velocity in memory they share (an MPI-3 shared window), and each rank
-averages and updates its own slice of them.
+averages and updates its own part of every gradient bucket.
 
 Replicating the model in every rank of a node makes averaging the gradient a copy-heavy
 allreduce between processes that could read each other's memory, and makes every rank run
@@ -14,10 +14,11 @@ window too, so for a bucket [start, stop) rank r of L:
 then after backward each rank's optimizer updates its parts of the shared parameters and
 velocity, and a node barrier ends the step before anyone reads a parameter again.
 
-Per rank and step that is about 3/L of the gradient's bytes for averaging and 1/L of the
-optimizer's work, against copying the whole gradient in and out of shared memory and
-updating the whole model (docs/PERFORMANCE.md has the measurements). Replicas stay
-identical for free inside a node (there is one), and across nodes because each slice's
+Per rank and step, averaging reads every rank's part and writes one, (L+1)/L of the
+gradient's bytes, and the optimizer does 1/L of the work, against copying the whole gradient
+in and out of shared memory and updating the whole model (docs/PERFORMANCE.md has the
+measurements). Replicas stay
+identical for free inside a node (there is one), and across nodes because each part's
 inputs and summation order are the same on every node.
 
 Used when every node runs the same number of ranks (more than one) and the wire is not
@@ -58,8 +59,8 @@ def wanted(comm, parameters=0, compress=None):
     comm.Allreduce(mine, high, op=MPI.MAX)
     alike = (low[:4] == high[:4]).all() and local > 1 and compress is None and enabled
     if alike and low[4] and not low[5] and comm.Get_rank() == 0:
-        print(f"dynar: one replica per rank, not per node: {room or '/dev/shm is too small on another node'}",
-              file=sys.stderr, flush=True)
+        why = room or "/dev/shm is too small on another node"
+        print(f"dynar: one replica per rank, not per node: {why}", file=sys.stderr, flush=True)
     return bool(alike and low[4] and low[5])
 
 
