@@ -35,7 +35,7 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     ctl = controller(events)
     speed = {"default": 0.01, "planned": 0.009, "fused": 0.008, "buckets": 0.012,
              "fused (mpi)": 0.007, "buckets (mpi)": 0.011}
-    drive(ctl, lambda name: speed[name], 60)
+    drive(ctl, lambda name: speed[name], 120)
     phases = [e["phase"] for e in events]
     assert phases[0] == "cost model" and events[0]["source"] == "test model"
     trials = [e for e in events if e["phase"] == "trial"]
@@ -48,9 +48,10 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     chosen = [e for e in events if e["phase"] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["candidate"] == "fused (mpi)"
     assert len(ctl.plan.buckets) == 1
-    # The default plan ran MEASURE_STEPS steps (the first dropped), then each trial
-    # TRIAL_STEPS after a dropped switching step.
-    assert trials[0]["step"] == online.MEASURE_STEPS + 1 + online.TRIAL_STEPS
+    # The default plan ran MEASURE_STEPS steps (the first dropped), then each trial the
+    # steps that fill TRIAL_SECONDS at the default plan's figure, after a dropped switching
+    # step.
+    assert trials[0]["step"] == online.MEASURE_STEPS + 1 + online.trial_steps(speed["default"])
 
 
 def test_a_plan_with_more_buckets_must_win_by_more_than_the_tie_margin():
@@ -62,7 +63,7 @@ def test_a_plan_with_more_buckets_must_win_by_more_than_the_tie_margin():
         ctl = controller(events)
         speed = {"default": 0.01, "planned": 0.008 * (1 - margin), "fused": 0.0085,
                  "buckets": 0.012, "fused (mpi)": 0.008, "buckets (mpi)": 0.011}
-        drive(ctl, lambda name: speed[name], 60)
+        drive(ctl, lambda name: speed[name], 120)
         chosen = [e for e in events if e["phase"] == "chosen"]
         assert len(chosen) == 1
         planned = [e for e in events if e["phase"] == "trial" and e["candidate"] == "planned"]
@@ -83,7 +84,7 @@ def test_trials_on_fast_steps_run_long_enough_to_tell_candidates_apart():
     assert online.trial_steps(0.0005) == 40
     assert trials[0]["step"] == online.MEASURE_STEPS + 1 + 40
     assert trials[1]["step"] - trials[0]["step"] == 1 + 40
-    assert online.trial_steps(0.01) == online.TRIAL_STEPS
+    assert online.trial_steps(0.05) == online.TRIAL_STEPS
     assert online.trial_steps(1e-6) == online.MAX_TRIAL_STEPS
     assert online.check_steps(0.0005) == 200 and online.check_steps(0.01) == online.CHECK_STEPS
 
