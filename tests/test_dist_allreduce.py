@@ -19,7 +19,10 @@ def test_every_algorithm_matches_mpi_allreduce_and_is_identical_on_all_ranks(ran
                                                  (300001, 4, 2), (10, 0, 1)])
 def test_mean_into_sums_in_order_then_scales(n, sources, threads):
     # The node replica's averaging: out = (out + others...) * factor, one pass, in place.
-    ar = runtime.allreduce()
+    try:
+        ar = runtime.allreduce()
+    except runtime.MPISetupError as exc:     # built with DYNAR_NO_MPI=1, or no mpi4py
+        pytest.skip(str(exc))
     rng = np.random.default_rng(n + sources)
     out = rng.standard_normal(n).astype(np.float32)
     others = [rng.standard_normal(n).astype(np.float32) for _ in range(sources)]
