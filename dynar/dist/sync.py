@@ -26,9 +26,9 @@ layers on the training thread (DYNAR_SYNC_PROGRESS=calls forces it, for comparis
 tests); dynamic mode then plans with the MPI library's algorithm only.
 
 With a node replica (dist/node_replica.py: the ranks of a node share parameters and
-gradient buffers), "reducing a bucket" is averaging this rank's slice of it over the node's
-buffers in place, then allreducing that slice among the nodes; the modes, buckets and plans
-are the same, planned for the slice's size over the nodes.
+gradient buffers), "reducing a bucket" is averaging this rank's part of it over the node's
+buffers in place, then allreducing that part among the nodes; the modes, buckets and plans
+are the same, planned for the part's size over the nodes.
 """
 import os
 import queue
@@ -118,11 +118,11 @@ class GradientSynchronizer:
         if os.environ.get("DYNAR_SYNC_PROGRESS") == "calls":
             self.progress = "calls"
         self._ar = runtime.allreduce()
-        # With a node replica, MPI carries only each slice among the nodes.
+        # With a node replica, MPI carries only each rank's parts among the nodes.
         self.collective = runtime.collective(comm if node is None else node.cross,
                                              reduce_threads=threads)
         among = self.collective.size
-        # Plans are agreed on by every rank of the job (the collective may span only a slice).
+        # Plans are agreed on by every rank of the job (the collective may span one part's).
         self._all_ranks = self.collective.comm_handle if node is None else comm.Dup()
         self._residual = np.zeros_like(self._grads) if compress else None
         self._tune_dir = tune_dir
@@ -171,7 +171,7 @@ class GradientSynchronizer:
         largest = int(self._sizes.sum())
         if self.node is None:
             return tuning.cost_model_for(self.collective, largest, self._tune_dir)
-        # Only the node leaders' slice communicator measures; its model reaches the node's
+        # Only the node leaders' communicator measures; its model reaches the node's
         # other ranks, so that every rank plans the same buckets.
         found = None
         if self.node.rank == 0:
