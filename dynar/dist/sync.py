@@ -122,7 +122,8 @@ class GradientSynchronizer:
         self.collective = runtime.collective(comm if node is None else node.cross,
                                              reduce_threads=threads)
         among = self.collective.size
-        # Plans are agreed on by every rank of the job (the collective may span one part's).
+        # Every rank of the job agrees on plans; with a node replica the collective spans
+        # only the ranks that hold this rank's parts.
         self._all_ranks = self.collective.comm_handle if node is None else comm.Dup()
         self._residual = np.zeros_like(self._grads) if compress else None
         self._tune_dir = tune_dir
