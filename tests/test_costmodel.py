@@ -207,6 +207,14 @@ def test_tuning_save_load_round_trip(tmp_path, monkeypatch):
     assert cm.load_tuning(key) == other
 
 
+def test_a_tuning_file_fitted_on_small_messages_is_not_used_for_big_buckets(tmp_path):
+    model = CostModel.default(4)
+    key = cm.tuning_key(4, 1, "mpi", ["a"])
+    cm.save_tuning(model, key, {"sizes": [4096, 65536, 262144]}, tmp_path)
+    assert cm.load_tuning(key, tmp_path, largest=262144) == model
+    assert cm.load_tuning(key, tmp_path, largest=1 << 20) is None     # re-tune instead
+
+
 def test_corrupt_or_foreign_tuning_file_names_the_file(tmp_path):
     key = cm.tuning_key(4, 1, "mpi", ["a"])
     path = tmp_path / f"{key}.json"

@@ -379,9 +379,12 @@ def save_tuning(model, key, meta, directory=None):
     return path
 
 
-def load_tuning(key, directory=None):
-    """The CostModel saved under `key`, or None if there is none. A file that is not valid
-    JSON, not a dynar tuning file, or saved under another key raises ValueError naming it."""
+def load_tuning(key, directory=None, largest=0):
+    """The CostModel saved under `key`, or None if there is none, or if its largest measured
+    message is below `largest` bytes (the job would price its big buckets off a fit made on
+    small ones: a LeNet job's brief tune, reused by AlexNet on the same hosts, chose
+    Rabenseifner at 2x the ring's time). A file that is not valid JSON, not a dynar tuning
+    file, or saved under another key raises ValueError naming it."""
     path = _tuning_path(key, directory)
     try:
         text = path.read_text()
@@ -398,6 +401,9 @@ def load_tuning(key, directory=None):
                          f"reads version {_TUNING_VERSION}; delete it to re-tune")
     if data.get("key") != key:
         raise ValueError(f"{path}: holds key {data.get('key')!r}, expected {key!r}")
+    measured = (data.get("meta") or {}).get("sizes") or [largest]
+    if max(measured) < largest:
+        return None
     try:
         return CostModel.from_json(data.get("model"))
     except ValueError as exc:

@@ -88,21 +88,22 @@ def tune(collective, sizes=FULL_SIZES, repeats=FULL_REPEATS, directory=None, pro
 
 
 def cost_model_for(collective, max_bytes, directory=None):
-    """(model, source): the saved model for this job's shape, else a brief tune over sizes up
-    to the job's largest possible bucket (saved for next time). source says which."""
+    """(model, source): the saved model for this job's shape if it measured messages as large
+    as the job's brief tune would, else a brief tune over sizes up to the job's largest
+    possible bucket (saved for next time). source says which."""
     key, _ = job_key(collective)
     comm = collective.comm_handle
+    sizes = [s for s in BRIEF_SIZES if s <= max(max_bytes, BRIEF_SIZES[1])]
     found = None
     if collective.rank == 0:
         try:
-            model = costmodel.load_tuning(key, directory)
+            model = costmodel.load_tuning(key, directory, largest=sizes[-1])
             found = None if model is None else model.to_json()
         except ValueError as exc:    # a corrupt file is replaced, not fatal
             found = {"error": str(exc)}
     found = comm.bcast(found, root=0)
     if found is not None and "error" not in found:
         return costmodel.CostModel.from_json(found), f"tuning file {key}"
-    sizes = [s for s in BRIEF_SIZES if s <= max(max_bytes, BRIEF_SIZES[1])]
     model, _, _ = tune(collective, sizes, BRIEF_REPEATS, directory)
     # Every rank fitted the same samples (maxed over ranks), but take rank 0's to be sure.
     model = costmodel.CostModel.from_json(comm.bcast(model.to_json(), root=0))
