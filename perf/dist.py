@@ -177,8 +177,8 @@ def worker(name, variant, steps):
     os._exit(0)
 
 
-# The modes again with every rank keeping its own replica (dist/node_replica.py), where
-# ranks share a node: what the shared replica is measured against.
+# `buckets` again with every rank keeping its own replica (DYNAR_NODE_REPLICA=off), where
+# ranks share a node: what the node replica (dist/node_replica.py) is measured against.
 PER_RANK_REPLICA = "buckets, a replica per rank"
 
 

@@ -51,15 +51,14 @@ def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path
                                env={"DYNAR_SYNC_PROGRESS": progress}, atol=atol, rtol=1e-2)
 
 
-@pytest.mark.parametrize("ranks, nodes, replica", [
-    (4, 1, "{'ranks per node': 4, 'nodes': 1}"),
-    (4, 2, "{'ranks per node': 2, 'nodes': 2}"),     # slices allreduced among the nodes
-    (3, 2, "None"),                                    # 2 + 1 ranks: each keeps its replica
-    (4, 1, "None")])                                   # DYNAR_NODE_REPLICA=off
-def test_ranks_of_a_node_share_one_replica(single_rank, tmp_path, ranks, nodes, replica):
-    env = {"EMULATED_NODES": str(nodes)}
-    if nodes == 1 and replica == "None":
-        env["DYNAR_NODE_REPLICA"] = "off"
+@pytest.mark.parametrize("ranks, nodes, switch, replica", [
+    (4, 1, "on", "{'ranks per node': 4, 'nodes': 1}"),
+    (4, 2, "on", "{'ranks per node': 2, 'nodes': 2}"),   # parts allreduced among the nodes
+    (3, 2, "on", "None"),                                 # 2 + 1 ranks: each keeps its replica
+    (4, 1, "off", "None")])
+def test_ranks_of_a_node_share_one_replica(single_rank, tmp_path, ranks, nodes, switch,
+                                           replica):
+    env = {"EMULATED_NODES": str(nodes), "DYNAR_NODE_REPLICA": switch}
     done = _check_against_single_rank(single_rank, tmp_path, "alexnet", ranks, MODES, env=env)
     for mode in MODES:
         assert f"{mode}: {ranks} ranks, replicas identical, node replica {replica}" \
