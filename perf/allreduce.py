@@ -25,6 +25,7 @@ QUICK_SIZES = [4, 4 << 10, 256 << 10, 4 << 20]
 RANKS = [2, 3, 4]
 QUICK_RANKS = [2, 4]
 PEER = "MPI_Allreduce (mpi4py)"
+TRANSFERS = "ring's transfers alone (MPI_Sendrecv)"
 
 
 def worker(sizes, repeats):
@@ -36,7 +37,7 @@ def worker(sizes, repeats):
     comm = MPI.COMM_WORLD
     collective = runtime.collective(comm)
     ar = runtime.allreduce()
-    rank = comm.Get_rank()
+    rank, size = comm.Get_rank(), comm.Get_size()
 
     def timed(fn):
         fn()
@@ -47,6 +48,16 @@ def worker(sizes, repeats):
             fn()
             times.append(time.perf_counter() - t0)
         return comm.allreduce(statistics.median(times), op=MPI.MAX), times
+
+    def ring_transfers(x):
+        # A ring allreduce's 2(p-1) neighbour exchanges of n/p elements, without the sums:
+        # what the MPI library's point-to-point transport itself reaches in the ring's
+        # pattern, the ceiling for any algorithm built on it.
+        part = x[:-(-x.size // size)]
+        got = np.empty_like(part)
+        right, left = (rank + 1) % size, (rank - 1) % size
+        for _ in range(2 * (size - 1)):
+            comm.Sendrecv(part, right, 1, got, left, 1)
 
     # The link: 64 MB each way between ranks 0 and 1 at once (the ring's traffic pattern).
     probe = np.ones(16 << 20, np.float32)
@@ -60,6 +71,8 @@ def worker(sizes, repeats):
         for algorithm in ar.ALGORITHMS:
             methods[f"dynar {algorithm}"] = lambda a=algorithm: collective.allreduce_mean(x, a)
         methods["dynar ring fp16 wire"] = lambda: collective.allreduce_mean(x, "ring", "fp16")
+        if size > 1:
+            methods[TRANSFERS] = lambda x=x: ring_transfers(x)
         for name, fn in methods.items():
             t, samples = timed(fn)
             results["runs"].append({"bytes": x.nbytes, "method": name, "time_s": t,

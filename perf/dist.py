@@ -210,9 +210,13 @@ def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True, replica
             candidates[("ddp", 1, None)] = lambda: _ddp(None, name, variant, steps)
         for _ in range(rounds):
             for key, fn in candidates.items():
-                for k, v in fn().items():
+                got = fn()
+                for k, v in got.items():
                     runs.setdefault(key, {}).setdefault(k, []).extend(v)
-        med = {key: {k: statistics.median(v) for k, v in val.items() if k != "plan"}
+                # Each launch's own median: their spread is the launch-to-launch noise
+                runs[key].setdefault("launch_step", []).append(statistics.median(got["step"]))
+        med = {key: {k: statistics.median(v) for k, v in val.items()
+                     if k not in ("plan", "launch_step")}
                for key, val in runs.items()}
         ddp_rate = launcher.ranks * PER_RANK / med[("ddp", launcher.ranks, None)]["step"]
         for key in [("dynar", launcher.ranks, m) for m in modes] + [("ddp", launcher.ranks, None)]:
@@ -221,7 +225,8 @@ def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True, replica
             rec = {"model": f"{name}-{variant}", "network": launcher.label,
                    "framework": framework, "sync": mode, "ranks": ranks,
                    "threads_per_rank": 1, "global_batch": ranks * PER_RANK,
-                   "step_s": med[key]["step"], "images_per_sec": rate,
+                   "step_s": med[key]["step"], "launch_step_s": runs[key]["launch_step"],
+                   "images_per_sec": rate,
                    "comm_exposed_s": med[key].get("comm_exposed"),
                    "compute_s": med[key].get("compute"),
                    "plan": runs[key].get("plan"), "vs_ddp": rate / ddp_rate,
@@ -234,17 +239,26 @@ def compare(launcher, models, rounds, steps_scale=1.0, single_rank=True, replica
     return records
 
 
+def _step_ms(record):
+    """The median step, and with several launches the range of their own medians."""
+    text = f"{1000 * record['step_s']:.1f}"
+    launches = record.get("launch_step_s") or []
+    if len(launches) > 1:
+        text += f" ({1000 * min(launches):.1f}-{1000 * max(launches):.1f})"
+    return text
+
+
 def table(records):
     rows = []
     for r in records:
         eff = r.get("scaling_efficiency")
         rows.append([r["model"], r["network"], r["ranks"],
                      "dynar " + r["sync"] if r["sync"] else "PyTorch DDP (gloo)",
-                     f"{1000 * r['step_s']:.1f}", f"{r['images_per_sec']:,.0f}",
+                     _step_ms(r), f"{r['images_per_sec']:,.0f}",
                      "-" if r["comm_exposed_s"] is None else f"{1000 * r['comm_exposed_s']:.2f}",
                      "-" if eff is None else f"{100 * eff:.0f}%", f"{r['vs_ddp']:.2f}x",
                      (r.get("plan") or [""])[-1]])
-    return harness.format_table(["model", "network", "ranks", "sync", "step ms", "img/s",
+    return harness.format_table(["model", "network", "ranks", "sync", "step ms (launches)", "img/s",
                                  "exposed comm ms", "scaling efficiency", "img/s vs DDP",
                                  "dynamic's plan"], rows)
 

@@ -77,6 +77,10 @@ def test_bandwidth_allreduce_and_cleanup():
         assert run_id in cluster.leftovers()
         result = cluster.measure_bandwidth(c, seconds=2.0)
         assert abs(result["gbit_per_s"] / 1.0 - 1) <= 0.15, result
+        # A ring of 2 hosts: both directions at once, each on its own shaped end
+        both_ways = cluster.measure_ring_bandwidth(c, seconds=1.0)
+        assert len(both_ways) == 2
+        assert all(abs(r["gbit_per_s"] / 1.0 - 1) <= 0.15 for r in both_ways), both_ways
         ar = probe_allreduce(c)
     assert ar["ranks"] == 2
     # One node per emulated host, and dynar's node key agrees.

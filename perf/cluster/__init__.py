@@ -45,10 +45,12 @@ Python:
 - `cleanup_leftovers(force=False)` -> (removed run ids, kept run ids of live runs);
   `leftovers()` -> run ids that still have anything on the machine.
 - `measure_bandwidth(c, seconds=2.0, src=0, dst=1)` -> one TCP stream's result
-  (Gbit/s received by host dst), bandwidth.py.
+  (Gbit/s received by host dst), bandwidth.py; `measure_ring_bandwidth(c, seconds=2.0)`
+  -> one result per host, every host streaming to the next at once.
 - `run(quick=False)`: the benchmark suite (`python -m perf cluster`), see suite.py.
 """
 from .bandwidth import measure as measure_bandwidth
+from .bandwidth import measure_ring as measure_ring_bandwidth
 from .cluster import Cluster, cleanup_leftovers, leftovers, run_on_cluster
 from .errors import ClusterError
 from .network import format_rate, parse_rate
@@ -57,4 +59,5 @@ from .suite import allreduce_on_cluster, run
 
 __all__ = ["Cluster", "ClusterError", "available", "run_on_cluster", "cleanup_leftovers",
            "leftovers", "parse_rate", "format_rate", "measure_bandwidth",
+           "measure_ring_bandwidth",
            "allreduce_on_cluster", "run"]

@@ -16,23 +16,46 @@ def measure(cluster, seconds=2.0, src=0, dst=1):
     returns the receiver's result dict."""
     if cluster.hosts < 2:
         raise ClusterError("a bandwidth measurement needs at least 2 hosts")
+    return _streams(cluster, seconds, [(src, dst)])[0]
+
+
+def measure_ring(cluster, seconds=2.0):
+    """Every host streams to the next one at once (the ring allreduce's traffic, without MPI
+    and without sums): what the emulation carries when all hosts' TCP work shares the
+    machine's cores. Returns one receiver result dict per host."""
+    if cluster.hosts < 2:
+        raise ClusterError("a bandwidth measurement needs at least 2 hosts")
+    return _streams(cluster, seconds, [(i, (i + 1) % cluster.hosts)
+                                       for i in range(cluster.hosts)])
+
+
+def _streams(cluster, seconds, pairs):
     me = [sys.executable, "-m", "perf.cluster.stream_probe"]
     env = cluster.env()
-    receiver = subprocess.Popen(cluster.in_host(dst, me + ["receive", str(PORT)]),
-                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                env=env, cwd=_ROOT)
+    receivers, senders = [], []
     try:
-        if receiver.stdout.readline().strip() != "listening":
-            raise RuntimeError("bandwidth receiver did not start")
-        subprocess.run(cluster.in_host(src, me + ["send", cluster.addresses[dst], str(PORT),
-                                                  str(seconds)]),
-                       check=True, env=env, cwd=_ROOT, stdin=subprocess.DEVNULL,
-                       timeout=seconds + 30)
-        out, _ = receiver.communicate(timeout=30)
+        for _, dst in pairs:
+            receivers.append(subprocess.Popen(
+                cluster.in_host(dst, me + ["receive", str(PORT)]), stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, text=True, env=env, cwd=_ROOT))
+        for receiver in receivers:
+            if receiver.stdout.readline().strip() != "listening":
+                raise RuntimeError("bandwidth receiver did not start")
+        for src, dst in pairs:
+            senders.append(subprocess.Popen(
+                cluster.in_host(src, me + ["send", cluster.addresses[dst], str(PORT),
+                                           str(seconds)]),
+                env=env, cwd=_ROOT, stdin=subprocess.DEVNULL))
+        for sender in senders:
+            if sender.wait(timeout=seconds + 30) != 0:
+                raise RuntimeError(f"bandwidth sender failed (exit {sender.returncode})")
+        outputs = [receiver.communicate(timeout=30)[0] for receiver in receivers]
     finally:
-        if receiver.poll() is None:
-            receiver.kill()
-            receiver.wait()
-    if receiver.returncode != 0:
-        raise RuntimeError(f"bandwidth receiver failed (exit {receiver.returncode})")
-    return json.loads(out.strip().splitlines()[-1])
+        for proc in receivers + senders:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for receiver in receivers:
+        if receiver.returncode != 0:
+            raise RuntimeError(f"bandwidth receiver failed (exit {receiver.returncode})")
+    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
