@@ -147,6 +147,29 @@ cdef void _accumulate(Ctx* c, char* dst, const char* src, Py_ssize_t n,
         _sum_into(<double*> dst, <const double*> src, n, factor, c.threads)
 
 
+# Elements summed per block by _sum_sources: the running sum stays in L1 while every source
+# streams through it once.
+DEF SOURCE_BLOCK = 4096
+
+
+cdef void _sum_sources(real* dst, const real** src, int count, Py_ssize_t n, real factor,
+                       int threads) noexcept nogil:
+    # dst = (dst + src[0] + ... + src[count-1]) * factor, added in that order: one pass over
+    # memory instead of count, block by block. OpenMP over blocks when n is large.
+    cdef Py_ssize_t blocks = (n + SOURCE_BLOCK - 1) // SOURCE_BLOCK, b, lo, m
+    cdef int j
+    if count == 0:
+        for lo in range(n):
+            dst[lo] = dst[lo] * factor
+        return
+    for b in prange(blocks, num_threads=threads if n >= PARALLEL_MIN else 1,
+                    schedule="static"):
+        lo = b * SOURCE_BLOCK
+        m = n - lo if n - lo < SOURCE_BLOCK else SOURCE_BLOCK
+        for j in range(count):
+            _sum_into(dst + lo, src[j] + lo, m, factor if j == count - 1 else <real> 1, 1)
+
+
 cdef inline float _widen(Wire wire, uint16_t v) noexcept nogil:
     return dynar_f16_to_f32(v) if wire == WIRE_FP16 else dynar_bf16_to_f32(v)
 
@@ -595,6 +618,10 @@ cdef class Collective:
         cdef char* result = self.shared + <size_t> L * SHARED_SLOT_BYTES
         cdef char* mine = self.shared + <size_t> self.local_rank * SHARED_SLOT_BYTES
         cdef double node_factor = factor if self.nodes == 1 else 1.0
+        # The other slots, in slot order, as the node-stage sum reads them.
+        cdef const char** others = <const char**> malloc(max(L - 1, 1) * sizeof(char*))
+        if others == NULL:
+            return OUT_OF_MEMORY
         start = 0
         while start < n and err == MPI_SUCCESS:
             m = min(piece, n - start)
@@ -607,9 +634,13 @@ cdef class Collective:
             length = _chunk_length(m, L, self.local_rank)
             memcpy(result + off * item, self.shared + off * item, length * item)
             for q in range(1, L):
-                _accumulate(c, result + off * item,
-                            self.shared + <size_t> q * SHARED_SLOT_BYTES + off * item, length,
-                            node_factor if q == L - 1 else 1.0)
+                others[q - 1] = self.shared + <size_t> q * SHARED_SLOT_BYTES + off * item
+            if L > 1 and c.kind == F32:
+                _sum_sources(<float*> (result + off * item), <const float**> others, L - 1,
+                             length, <float> node_factor, c.threads)
+            elif L > 1:
+                _sum_sources(<double*> (result + off * item), <const double**> others, L - 1,
+                             length, node_factor, c.threads)
             err = self._node_barrier()
             if err == MPI_SUCCESS and self.local_rank == 0 and self.nodes > 1:
                 err = _ring(leaders, result, m, factor)
@@ -618,6 +649,7 @@ cdef class Collective:
             if err == MPI_SUCCESS:
                 memcpy(buf + start * item, result, m * item)
             start += m
+        free(others)
         return err
 
     def allreduce_mean(self, buf, algorithm="mpi", wire=None, threads=None):
@@ -824,11 +856,6 @@ def window_barrier(Comm node not None, Win window not None):
         raise RuntimeError(f"node barrier failed with MPI error code {err}")
 
 
-# Elements summed per block by mean_into: the running sum stays in L1 while every source
-# streams through it once.
-DEF MEAN_BLOCK = 4096
-
-
 def mean_into(out, others, factor, threads=1):
     """out = (out + others[0] + others[1] + ...) * factor, elementwise, in place, summed in
     that order (float32, 1-D, all of one length). One pass over memory: the sum runs in blocks
@@ -851,16 +878,7 @@ def mean_into(out, others, factor, threads=1):
     for k in range(count):
         src[k] = <const float*> data(arrays[k])
     cdef float* dst = <float*> data(o)
-    cdef int team = max(1, int(threads)) if n >= PARALLEL_MIN else 1
-    cdef Py_ssize_t blocks = (n + MEAN_BLOCK - 1) // MEAN_BLOCK, b, lo, m
-    cdef int j
+    cdef int team = max(1, int(threads))
     with nogil:
-        if count == 0:
-            for b in range(n):
-                dst[b] = dst[b] * f
-        for b in prange(blocks, num_threads=team, schedule="static"):
-            lo = b * MEAN_BLOCK
-            m = n - lo if n - lo < MEAN_BLOCK else MEAN_BLOCK
-            for j in range(count):
-                _sum_into(dst + lo, src[j] + lo, m, f if j == count - 1 else <float> 1, 1)
+        _sum_sources(dst, src, count, n, f, team)
     free(src)

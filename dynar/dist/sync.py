@@ -122,9 +122,6 @@ class GradientSynchronizer:
         self.collective = runtime.collective(comm if node is None else node.cross,
                                              reduce_threads=threads)
         among = self.collective.size
-        # Every rank of the job agrees on plans; with a node replica the collective spans
-        # only the ranks that hold this rank's parts.
-        self._all_ranks = self.collective.comm_handle if node is None else comm.Dup()
         self._residual = np.zeros_like(self._grads) if compress else None
         self._tune_dir = tune_dir
         self._default_algorithm = "ring" if compress else "mpi"
@@ -132,7 +129,11 @@ class GradientSynchronizer:
         self.buckets = self._slices(planner.static_buckets(self._sizes, static, self.bucket_bytes,
                                                            self._default_algorithm))
         self.online = None
+        self._all_ranks = None
         if mode == "dynamic" and among > 1:
+            # Every rank of the job agrees on plans; with a node replica the collective spans
+            # only the ranks that hold this rank's parts.
+            self._all_ranks = self.collective.comm_handle if node is None else comm.Dup()
             # The cost model is found (loaded, or briefly tuned) when it first plans: after
             # the start-up agreement, so ranks of a misconfigured job never reach the tuning
             # collectives with different message sizes. On the wire a compressed bucket is
@@ -276,7 +277,7 @@ class GradientSynchronizer:
         self._handle.remove()
         if self._thread is not None:
             self._thread.close()
-        if self.node is not None:
+        if self.node is not None and self._all_ranks is not None:
             self._all_ranks.Free()
         self.collective.free()
 

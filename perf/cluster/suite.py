@@ -115,10 +115,13 @@ class _Launcher:
 ALGORITHM_SIZES = [4 << k for k in range(0, 25, 4)]     # 4 B ... 64 MB
 QUICK_ALGORITHM_SIZES = [4, 4 << 10, 256 << 10, 4 << 20]
 TRAINING_RATES = ["10gbit", "1gbit"]
-# Launches per mode, alternated. LeNet's 2-4 ms steps on 4 ranks sharing 2 cores moved by
-# 10-16% from one launch of the same command to the next (one launch each put dynamic 16%
-# behind fused with fused's own plan); its launches are cheap, so it gets three.
+# Launches per mode, alternated round by round. On 4 ranks sharing 2 cores the same command
+# moves by 5-16% from one launch to the next (single launches put dynamic 16% behind fused
+# on LeNet with fused's own plan, and 2% behind on AlexNet with the same one bucket, where
+# three launches each had it 4-12% ahead): two launches of every mode show the spread, and
+# LeNet's cheap ones get three.
 ROUNDS = {"lenet": 3}
+DEFAULT_ROUNDS = 2
 
 
 def algorithms(quick, tune_dir):
@@ -148,7 +151,8 @@ def training(quick, tune_dir):
         with cluster.Cluster(hosts=hosts, ranks_per_host=1, rate=rate) as c:
             launcher = _Launcher(c, hosts, 1, rate, tune_dir)
             for model in chosen:
-                for rec in dist_suite.compare(launcher, [model], rounds=ROUNDS.get(model[0], 1),
+                rounds = ROUNDS.get(model[0], DEFAULT_ROUNDS)
+                for rec in dist_suite.compare(launcher, [model], rounds=rounds,
                                               steps_scale=0.5 if quick else 1.0,
                                               single_rank=False):
                     rec.update(case="training", hosts=hosts, ranks_per_host=1,
