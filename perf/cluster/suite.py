@@ -151,7 +151,7 @@ def training(quick, tune_dir):
         with cluster.Cluster(hosts=hosts, ranks_per_host=1, rate=rate) as c:
             launcher = _Launcher(c, hosts, 1, rate, tune_dir)
             for model in chosen:
-                rounds = ROUNDS.get(model[0], DEFAULT_ROUNDS)
+                rounds = 1 if quick else ROUNDS.get(model[0], DEFAULT_ROUNDS)
                 for rec in dist_suite.compare(launcher, [model], rounds=rounds,
                                               steps_scale=0.5 if quick else 1.0,
                                               single_rank=False):
