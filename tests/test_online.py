@@ -119,3 +119,25 @@ def test_ranks_with_different_timings_choose_the_same_plan():
             ctl.observe(np.sort(rng.random(4)) * 0.01, rng.random() * 0.01)
         plans.append(ctl.plan)
     assert plans[0] == plans[1]
+
+
+def test_trials_run_dynars_own_algorithm_even_when_the_model_prices_the_library_cheapest():
+    # A brief tune's prices are a guess where algorithms are close: the trials measure the
+    # cheapest of dynar's own algorithms beside the library's, and keep the faster.
+    def mpi_cheapest():
+        return CostModel(2, 1, {"mpi": AlgorithmCost(1e-5, 4e-10),
+                                "ring": AlgorithmCost(3e-5, 5e-10),
+                                "rabenseifner": AlgorithmCost(2e-5, 6e-10)}), "test model"
+    events = []
+    ctl = online.OnlinePlanner(SIZES, mpi_cheapest, None, lambda a: a, events.append,
+                               bucket_bytes=300000)
+    speed = {"default": 0.01, "planned": 0.009, "fused": 0.009, "buckets": 0.012,
+             "fused (dynar)": 0.007, "buckets (dynar)": 0.011}
+    drive(ctl, lambda name: speed[name], 160)
+    trials = {e["candidate"]: e for e in events if e["phase"] == "trial"}
+    assert trials["fused"]["algorithms"] == {"mpi": 1}
+    assert trials["fused (dynar)"]["algorithms"] == {"ring": 1}
+    chosen = [e for e in events if e["phase"] == "chosen"]
+    assert chosen[0]["candidate"] == "fused (dynar)"
+    assert {b.algorithm for b in ctl.plan.buckets} == {"ring"}
+    assert len(trials) <= online.MAX_CANDIDATES

@@ -5,9 +5,15 @@ what communicating *during* backward does to backward itself: on a node whose co
 compute, the communication thread's copies and sums take cycles from the compute threads
 (on this 2-core machine AlexNet's backward runs ~30% slower while buckets reduce beside it).
 So the plan the model prefers is not trusted blindly: it is tried against the two baselines
-it must beat (everything after backward, and DDP-style 25 MB buckets), each once with the
-model's cheapest algorithm per bucket and once with the MPI library's own, a few steps
-each, and the fastest *measured* wins (a plan with more buckets only by more than TIE).
+it must beat (everything after backward, and DDP-style 25 MB buckets), each with the
+model's cheapest algorithm per bucket, with the MPI library's own, and with the cheapest of
+dynar's own, a few steps each, and the fastest *measured* wins (a plan with more buckets
+only by more than TIE). The model's prices come from a brief tune (a few timed calls per
+size, up to 32 MB), so its cheapest is only a guess where algorithms are close: on 4
+emulated hosts at 10 Gbit/s a brief tune priced the library's allreduce cheapest for
+AlexNet's 89 MB, and with trials of that algorithm alone dynamic ran 4% behind the best
+fixed mode; in launches whose tune priced one of dynar's cheapest, the trials chose it and
+ran 4-7% ahead.
 
 The phases, all decided from figures maxed over ranks so every rank switches plans at the
 same step (collective sequences can never differ):
@@ -47,6 +53,9 @@ DRIFT = 0.2
 # and each extra bucket costs a hand-off to the communication thread that the figure sees
 # only as noise.
 TIE = 0.05
+# At most this many plans are tried: the planner's, and the two baselines with each of the
+# three algorithm choices (candidates()).
+MAX_CANDIDATES = 1 + 2 * 3
 
 
 def _steps_filling(seconds, sync_s, least, most):
@@ -65,15 +74,22 @@ def check_steps(sync_s):
 
 def candidates(sizes_bytes, ready_s, cost, algorithms, bucket_bytes):
     """[(name, Plan)] the trials compare: the planner's plan, and the two baselines (one
-    bucket; buckets of bucket_bytes) both with the cheapest algorithm per bucket and with
-    the MPI library's own (the exact static modes): the model's prices are fitted, the
-    library's algorithm is measured here, step by step. Plans with the same buckets and
-    algorithms appear once."""
+    bucket; buckets of bucket_bytes) with the cheapest algorithm per bucket, with the MPI
+    library's own (the exact static modes), and with the cheapest of dynar's own: the
+    model's prices are fitted, the trials measure, step by step. Plans with the same
+    buckets and algorithms appear once."""
     sizes = np.asarray(sizes_bytes, np.int64)
     found = {"planned": planner.plan(sizes, ready_s, cost, algorithms)}
-    pickers = {"": lambda nbytes: min(algorithms, key=lambda a: float(cost.time(a, int(nbytes))))}
+
+    def cheapest(among):
+        return lambda nbytes: min(among, key=lambda a: float(cost.time(a, int(nbytes))))
+
+    pickers = {"": cheapest(algorithms)}
     if "mpi" in algorithms:
         pickers[" (mpi)"] = lambda nbytes: "mpi"
+    own = [a for a in algorithms if a != "mpi"]
+    if own:
+        pickers[" (dynar)"] = cheapest(own)
     for mode in ("fused", "buckets"):
         runs = planner.static_buckets(sizes, mode, bucket_bytes)
         for suffix, pick in pickers.items():
