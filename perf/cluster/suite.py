@@ -42,13 +42,11 @@ def _bandwidth_case(rate, seconds, repeats, hosts=2):
     let all hosts' TCP carry together, the ceiling under any allreduce's figures)."""
     bits = network.parse_rate(rate)
     with cluster.Cluster(hosts=hosts, ranks_per_host=1, rate=rate) as c:
-        if hosts == 2:
-            results = [bandwidth.measure(c, seconds) for _ in range(repeats)]
-        else:
-            results = [bandwidth.measure_ring(c, seconds) for _ in range(repeats)]
-    per_link = [statistics.mean(r["gbit_per_s"] for r in sample) if hosts > 2
-                else sample["gbit_per_s"] for sample in results]
-    measured = statistics.median(per_link) * 1e9
+        # Each sample: the receivers' results of one measurement, one per stream.
+        results = [[bandwidth.measure(c, seconds)] if hosts == 2
+                   else bandwidth.measure_ring(c, seconds) for _ in range(repeats)]
+    measured = statistics.median(statistics.mean(r["gbit_per_s"] for r in sample)
+                                 for sample in results) * 1e9
     ratio = measured / bits
     return {"case": "bandwidth", "rate": rate, "hosts": hosts,
             "streams": "1" if hosts == 2 else f"{hosts} at once, host i to i+1",
@@ -118,8 +116,8 @@ TRAINING_RATES = ["10gbit", "1gbit"]
 # Launches per mode, alternated round by round. On 4 ranks sharing 2 cores the same command
 # moves by 5-16% from one launch to the next (single launches put dynamic 16% behind fused
 # on LeNet with fused's own plan, and 2% behind on AlexNet with the same one bucket, where
-# three launches each had it 4-12% ahead): two launches of every mode show the spread, and
-# LeNet's cheap ones get three.
+# three launches of each had it 4-7% ahead of the best fixed mode): two launches of every
+# mode show the spread, and LeNet's cheap ones get three.
 ROUNDS = {"lenet": 3}
 DEFAULT_ROUNDS = 2
 
