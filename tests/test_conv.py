@@ -21,6 +21,15 @@ GRAD_CASES = [
 ]
 
 
+@pytest.fixture(params=["panel", "blas"])
+def weights_gemm(request):
+    """Runs the test with the products with the weights on dynar's panel GEMM, then on BLAS
+    (conv.set_panel_gemm); the build's default is restored afterwards."""
+    before = conv.set_panel_gemm(request.param == "panel")
+    yield request.param
+    conv.set_panel_gemm(before)
+
+
 def _run(x, w, b, stride, padding, dy):
     y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, stride, padding), x.dtype)
     conv.conv2d_forward(y, x, w, b, stride, padding)
@@ -33,7 +42,7 @@ def _run(x, w, b, stride, padding, dy):
 
 
 @pytest.mark.parametrize("case", GRAD_CASES)
-def test_conv2d_gradients_match_central_differences(case, rng):
+def test_conv2d_gradients_match_central_differences(case, weights_gemm, rng):
     N, C, H, W, Co, kh, kw, stride, padding = case
     x = rng.standard_normal((N, C, H, W))
     w = rng.standard_normal((Co, C, kh, kw))
@@ -75,8 +84,10 @@ def _random_parity_cases(count, seed=2024):
     return cases
 
 
-# Shapes where im2col unfolds an image in row tiles (K*W_out large) or batches images.
-TILED_CASES = [(2, 64, 32, 32, 8, 3, 3, (1, 1), (1, 1), True),
+# Shapes where im2col unfolds an image in row tiles (K*W_out large) or batches images, and
+# one whose depth (C_in*kh*kw = 810) the panel GEMM covers in two passes.
+TILED_CASES = [(2, 90, 9, 9, 10, 3, 3, (1, 1), (1, 1), True),
+               (2, 64, 32, 32, 8, 3, 3, (1, 1), (1, 1), True),
                (2, 32, 31, 33, 4, 5, 5, (2, 1), (2, 0), False),
                (9, 48, 3, 3, 16, 3, 3, (1, 1), (1, 1), True),
                (2, 256, 17, 17, 4, 1, 1, (1, 1), (0, 0), True),
@@ -84,7 +95,7 @@ TILED_CASES = [(2, 64, 32, 32, 8, 3, 3, (1, 1), (1, 1), True),
 
 
 @pytest.mark.parametrize("case", _random_parity_cases(60) + TILED_CASES)
-def test_conv2d_float32_matches_pytorch(case, rng):
+def test_conv2d_float32_matches_pytorch(case, weights_gemm, rng):
     torch = require_torch()
     N, C, H, W, Co, kh, kw, stride, padding, bias = case
     x = rng.standard_normal((N, C, H, W)).astype(np.float32)

@@ -1,0 +1,206 @@
+/* dynar's own GEMM for products whose left operand is reused call after call: the weights of
+ * a convolution (pyx/conv.pyx), the same for every image of a batch.
+ *
+ *     c (m, n) = a (m, k) @ b (k, n)  [+ bias[i] on every column of row i], row-major,
+ *
+ * with `a` packed once into row panels (panel_pack) and `b` read in place, unpacked. A BLAS
+ * GEMM packs both operands on every call: on ResNet's 64 -> 128 stride-2 layer, one GEMM per
+ * image, OpenBLAS spent 15% of the layer packing, the weights once per image (perf record,
+ * docs/PERFORMANCE.md). Here the weights are packed once per batch, and `b` (im2col's output,
+ * a tile sized to stay in cache) is read straight from where it was written.
+ *
+ * Panels: PANEL_ROWS rows of `a` at a time, stored column by column, so the micro-kernel reads
+ * one contiguous run per column: a[p * PANEL_ROWS + r][j] is panels[(p * k + j) * PANEL_ROWS + r],
+ * with rows past m zero. The micro-kernel keeps a PANEL_ROWS x PANEL_VECTORS block of c in
+ * vector registers, and for every j multiplies one broadcast element of the panel with
+ * PANEL_VECTORS vectors of row j of b. With AVX-512 (32 registers of 16 floats) that is 8 x 3
+ * vectors: 24 accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds; one panel of
+ * 8 x 768 columns (24 KB of floats) stays in L1 while the block of b it meets (768 rows of 48
+ * floats, 147 KB) stays in L2. By hand (one thread, Zen 5, packing excluded): 239-246 GF/s
+ * on the shapes of ResNet's stride-2 layers, where OpenBLAS's sgemm with its packing ran
+ * 212-235 and 2048^3 ran 226-238. Blocks of 12 x 2 and 6 x 4 vectors measured the same within
+ * 3%, 16 x 1 and 4 x 6 (fewer independent sums or more loads per multiply-add) 15-50% slower. */
+#ifndef DYNAR_PANEL_GEMM_H
+#define DYNAR_PANEL_GEMM_H
+#include <stddef.h>
+
+/* Bytes of one vector register, and the register block: accumulators plus the vectors of b
+ * and the broadcast must fit in the register file (32 registers with AVX-512 and on aarch64,
+ * 16 otherwise). */
+#if defined(__AVX512F__)
+#define PANEL_VECTOR_BYTES 64
+#elif defined(__AVX__)
+#define PANEL_VECTOR_BYTES 32
+#else
+#define PANEL_VECTOR_BYTES 16
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define PANEL_ROWS 8
+#define PANEL_VECTORS 3
+#else
+#define PANEL_ROWS 4
+#define PANEL_VECTORS 3
+#endif
+/* Columns of `a` (rows of `b`) per pass over c: keeps a panel's block in L1, b's in L2. */
+#define PANEL_DEPTH 768
+
+/* Whether conv's im2col path uses these kernels by default (conv.set_panel_gemm overrides).
+ * Measured only where the build targets AVX-512; elsewhere the runtime-dispatched BLAS
+ * kernels are the safer default until measured (an SSE2 portable build would be far slower
+ * than OpenBLAS's AVX-512 kernels on the same machine). */
+#if defined(__AVX512F__)
+#define PANEL_GEMM_PREFERRED 1
+#else
+#define PANEL_GEMM_PREFERRED 0
+#endif
+
+#define PANEL_INLINE static inline __attribute__((always_inline))
+
+/* Elements of the packed form of an m x k operand. */
+static inline ptrdiff_t panel_size(ptrdiff_t m, ptrdiff_t k)
+{
+    return (m + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS * k;
+}
+
+static inline ptrdiff_t panel_count(ptrdiff_t m)
+{
+    return (m + PANEL_ROWS - 1) / PANEL_ROWS;
+}
+
+#define DYNAR_PANEL_GEMM(REAL, SUFFIX)                                                       \
+typedef REAL panel_vec_##SUFFIX __attribute__((vector_size(PANEL_VECTOR_BYTES)));            \
+typedef REAL panel_mem_##SUFFIX                                                              \
+    __attribute__((vector_size(PANEL_VECTOR_BYTES), aligned(sizeof(REAL))));                 \
+                                                                                             \
+/* Panels [p0, p1) of a (m, k), element (i, j) at a[i * row_stride + j * col_stride]: a     \
+ * strided view, so w and its transpose pack from the same array. */                        \
+static void panel_pack_##SUFFIX(REAL *restrict panels, const REAL *restrict a, ptrdiff_t m,  \
+                                ptrdiff_t k, ptrdiff_t row_stride, ptrdiff_t col_stride,     \
+                                ptrdiff_t p0, ptrdiff_t p1)                                  \
+{                                                                                            \
+    for (ptrdiff_t p = p0; p < p1; p++) {                                                    \
+        REAL *dst = panels + p * k * PANEL_ROWS;                                             \
+        const ptrdiff_t i0 = p * PANEL_ROWS;                                                 \
+        const ptrdiff_t rows = m - i0 < PANEL_ROWS ? m - i0 : PANEL_ROWS;                    \
+        for (ptrdiff_t j = 0; j < k; j++, dst += PANEL_ROWS) {                               \
+            for (ptrdiff_t r = 0; r < rows; r++)                                             \
+                dst[r] = a[(i0 + r) * row_stride + j * col_stride];                          \
+            for (ptrdiff_t r = rows; r < PANEL_ROWS; r++)                                    \
+                dst[r] = 0;                                                                  \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* One block of c: rows [0, rows) of a panel x nv vectors of columns, the last with `tail`   \
+ * valid lanes, over depth kd. first: start from bias (or zero), else add to c. rows, nv     \
+ * and tail are constants at the full-block call, so that case compiles without tests. */   \
+PANEL_INLINE void panel_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                      \
+                                       const REAL *restrict panel, ptrdiff_t kd,             \
+                                       const REAL *restrict b, ptrdiff_t ldb,                \
+                                       const REAL *restrict bias, int first, int rows,       \
+                                       int nv, int tail)                                     \
+{                                                                                            \
+    typedef panel_vec_##SUFFIX vec;                                                          \
+    typedef panel_mem_##SUFFIX mem;                                                          \
+    enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL) };                                      \
+    vec acc[PANEL_ROWS][PANEL_VECTORS];                                                      \
+    for (int r = 0; r < PANEL_ROWS; r++)                                                     \
+        for (int v = 0; v < nv; v++) {                                                       \
+            if (!first && r < rows && (v < nv - 1 || tail == LANES))                         \
+                acc[r][v] = *(const mem *)(c + r * ldc + v * LANES);                         \
+            else if (!first && r < rows) {                                                   \
+                acc[r][v] = (vec){0};                                                        \
+                for (int l = 0; l < tail; l++)                                               \
+                    acc[r][v][l] = c[r * ldc + v * LANES + l];                               \
+            } else                                                                           \
+                acc[r][v] = (vec){0} + (bias && r < rows ? bias[r] : (REAL)0);               \
+        }                                                                                    \
+    for (ptrdiff_t j = 0; j < kd; j++) {                                                     \
+        const REAL *bj = b + j * ldb;                                                        \
+        vec bv[PANEL_VECTORS];                                                               \
+        for (int v = 0; v < nv; v++) {                                                       \
+            if (v < nv - 1 || tail == LANES)                                                 \
+                bv[v] = *(const mem *)(bj + v * LANES);                                      \
+            else {                                                                           \
+                bv[v] = (vec){0};                                                            \
+                for (int l = 0; l < tail; l++)                                               \
+                    bv[v][l] = bj[v * LANES + l];                                            \
+            }                                                                                \
+        }                                                                                    \
+        const REAL *aj = panel + j * PANEL_ROWS;                                             \
+        for (int r = 0; r < PANEL_ROWS; r++)                                                 \
+            for (int v = 0; v < nv; v++)                                                     \
+                acc[r][v] += aj[r] * bv[v];                                                  \
+    }                                                                                        \
+    for (int r = 0; r < rows; r++)                                                           \
+        for (int v = 0; v < nv; v++) {                                                       \
+            if (v < nv - 1 || tail == LANES)                                                 \
+                *(mem *)(c + r * ldc + v * LANES) = acc[r][v];                               \
+            else                                                                             \
+                for (int l = 0; l < tail; l++)                                               \
+                    c[r * ldc + v * LANES + l] = acc[r][v][l];                               \
+        }                                                                                    \
+}                                                                                            \
+                                                                                             \
+/* Blocks of one panel over columns [0, n): whole blocks, then one of the remaining vectors, \
+ * its last partial. */                                                                      \
+PANEL_INLINE void panel_row_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                        \
+                                     const REAL *restrict panel, ptrdiff_t kd,               \
+                                     const REAL *restrict b, ptrdiff_t ldb, ptrdiff_t n,     \
+                                     const REAL *restrict bias, int first, int rows)         \
+{                                                                                            \
+    enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL), WIDTH = PANEL_VECTORS * LANES };       \
+    ptrdiff_t j0 = 0;                                                                        \
+    for (; j0 + WIDTH <= n; j0 += WIDTH)                                                     \
+        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,         \
+                             PANEL_VECTORS, LANES);                                          \
+    const ptrdiff_t left = n - j0;                                                           \
+    if (left == 0)                                                                           \
+        return;                                                                              \
+    const int nv = (int) ((left + LANES - 1) / LANES);                                       \
+    const int tail = (int) (left - (nv - 1) * LANES);                                        \
+    if (nv == 1)                                                                             \
+        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows, 1,      \
+                             tail);                                                          \
+    else if (nv == 2)                                                                        \
+        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows, 2,      \
+                             tail);                                                          \
+    else                                                                                     \
+        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,         \
+                             PANEL_VECTORS, tail);                                           \
+}                                                                                            \
+                                                                                             \
+/* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], row-major; a packed by      \
+ * panel_pack. k == 0 leaves c = bias (or zero). */                                          \
+static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *restrict panels, \
+                                ptrdiff_t m, ptrdiff_t k, const REAL *restrict b,            \
+                                ptrdiff_t ldb, ptrdiff_t n, const REAL *restrict bias)       \
+{                                                                                            \
+    if (k == 0) {                                                                            \
+        for (ptrdiff_t i = 0; i < m; i++)                                                    \
+            for (ptrdiff_t j = 0; j < n; j++)                                                \
+                c[i * ldc + j] = bias ? bias[i] : (REAL)0;                                   \
+        return;                                                                              \
+    }                                                                                        \
+    const ptrdiff_t passes = (k + PANEL_DEPTH - 1) / PANEL_DEPTH;                            \
+    const ptrdiff_t depth = (k + passes - 1) / passes;                                       \
+    for (ptrdiff_t k0 = 0; k0 < k; k0 += depth) {                                            \
+        const ptrdiff_t kd = k - k0 < depth ? k - k0 : depth;                                \
+        for (ptrdiff_t p = 0; p < panel_count(m); p++) {                                     \
+            const ptrdiff_t i0 = p * PANEL_ROWS;                                             \
+            const REAL *panel = panels + (p * k + k0) * PANEL_ROWS;                          \
+            const REAL *pbias = bias ? bias + i0 : NULL;                                     \
+            if (m - i0 >= PANEL_ROWS)                                                        \
+                panel_row_##SUFFIX(c + i0 * ldc, ldc, panel, kd, b + k0 * ldb, ldb, n,       \
+                                   pbias, k0 == 0, PANEL_ROWS);                              \
+            else                                                                             \
+                panel_row_##SUFFIX(c + i0 * ldc, ldc, panel, kd, b + k0 * ldb, ldb, n,       \
+                                   pbias, k0 == 0, (int) (m - i0));                          \
+        }                                                                                    \
+    }                                                                                        \
+}
+
+DYNAR_PANEL_GEMM(float, f)
+DYNAR_PANEL_GEMM(double, d)
+
+#endif
