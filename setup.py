@@ -8,6 +8,7 @@ Environment:
   DYNAR_NO_MPI=1     skip the MPI extension (single-process training only)
   DYNAR_BUILD_JOBS=N run Cython on N processes
 """
+import glob
 import os
 import platform
 import shlex
@@ -95,6 +96,8 @@ def _extensions():
         exts.append(Extension(
             name,
             sources=[os.path.join("pyx", stem + ".pyx")],
+            # A changed header recompiles every module (the C compile; Cython tracks .pxd).
+            depends=sorted(glob.glob(os.path.join(HERE, "include", "*"))),
             include_dirs=[numpy.get_include(), os.path.join(HERE, "include"),
                           os.path.join(HERE, "pyx")] + (mpi_flags[0] if uses_mpi else []),
             library_dirs=mpi_flags[1] if uses_mpi else [],

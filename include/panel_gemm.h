@@ -11,7 +11,8 @@
  *
  * Panels: PANEL_ROWS rows of `a` at a time, stored column by column, so the micro-kernel reads
  * one contiguous run per column: a[p * PANEL_ROWS + r][j] is panels[(p * k + j) * PANEL_ROWS + r],
- * with rows past m zero. The micro-kernel keeps a PANEL_ROWS x PANEL_VECTORS block of c in
+ * with rows past m zero (their products are never stored, but garbage there could be
+ * subnormal, which multiply-adds on x86 take microcode assists for). The micro-kernel keeps a PANEL_ROWS x PANEL_VECTORS block of c in
  * vector registers, and for every j multiplies one broadcast element of the panel with
  * PANEL_VECTORS vectors of row j of b. With AVX-512 (32 registers of 16 floats) that is 8 x 3
  * vectors: 24 accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds; one panel of
@@ -67,6 +68,13 @@ static inline ptrdiff_t panel_count(ptrdiff_t m)
     return (m + PANEL_ROWS - 1) / PANEL_ROWS;
 }
 
+/* Where element (i, j) of an operand with k columns lives in its panels: for kernels that
+ * compute the operand straight into panel form (Winograd's transformed weights). */
+static inline ptrdiff_t panel_offset(ptrdiff_t i, ptrdiff_t j, ptrdiff_t k)
+{
+    return ((i / PANEL_ROWS) * k + j) * PANEL_ROWS + i % PANEL_ROWS;
+}
+
 #define DYNAR_PANEL_GEMM(REAL, SUFFIX)                                                       \
 typedef REAL panel_vec_##SUFFIX __attribute__((vector_size(PANEL_VECTOR_BYTES)));            \
 typedef REAL panel_mem_##SUFFIX                                                              \
@@ -89,6 +97,18 @@ static void panel_pack_##SUFFIX(REAL *restrict panels, const REAL *restrict a, p
                 dst[r] = 0;                                                                  \
         }                                                                                    \
     }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* Zeroes the rows past m of the last panel, which panel_offset never addresses. */          \
+static void panel_zero_padding_##SUFFIX(REAL *restrict panels, ptrdiff_t m, ptrdiff_t k)      \
+{                                                                                            \
+    const ptrdiff_t rows = m - (panel_count(m) - 1) * PANEL_ROWS;                            \
+    REAL *last = panels + (panel_count(m) - 1) * k * PANEL_ROWS;                             \
+    if (m == 0 || rows == PANEL_ROWS)                                                        \
+        return;                                                                              \
+    for (ptrdiff_t j = 0; j < k; j++)                                                        \
+        for (ptrdiff_t r = rows; r < PANEL_ROWS; r++)                                        \
+            last[j * PANEL_ROWS + r] = 0;                                                    \
 }                                                                                            \
                                                                                              \
 /* One block of c: rows [0, rows) of a panel x nv vectors of columns, the last with `tail`   \
@@ -142,8 +162,26 @@ PANEL_INLINE void panel_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,         
         }                                                                                    \
 }                                                                                            \
                                                                                              \
-/* Blocks of one panel over columns [0, n): whole blocks, then one of the remaining vectors, \
- * its last partial. */                                                                      \
+/* A block of nv (1 to PANEL_VECTORS, at most 3) vectors, nv as a constant. */              \
+PANEL_INLINE void panel_narrow_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                \
+                                              const REAL *restrict panel, ptrdiff_t kd,       \
+                                              const REAL *restrict b, ptrdiff_t ldb,          \
+                                              const REAL *restrict bias, int first, int rows, \
+                                              int nv, int tail)                               \
+{                                                                                            \
+    if (nv == 1)                                                                             \
+        panel_block_##SUFFIX(c, ldc, panel, kd, b, ldb, bias, first, rows, 1, tail);         \
+    else if (nv == 2)                                                                        \
+        panel_block_##SUFFIX(c, ldc, panel, kd, b, ldb, bias, first, rows, 2, tail);         \
+    else                                                                                     \
+        panel_block_##SUFFIX(c, ldc, panel, kd, b, ldb, bias, first, rows, PANEL_VECTORS,    \
+                             tail);                                                          \
+}                                                                                            \
+                                                                                             \
+/* Blocks of one panel over columns [0, n): whole blocks, then the vectors left (the last    \
+ * partial) in one block, or in two of about half when one block would be too wide: a block  \
+ * of one vector has too few independent sums to keep the multiply-adds busy, so 4 vectors    \
+ * go as 2 + 2, not 3 + 1. */                                                                \
 PANEL_INLINE void panel_row_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                        \
                                      const REAL *restrict panel, ptrdiff_t kd,               \
                                      const REAL *restrict b, ptrdiff_t ldb, ptrdiff_t n,     \
@@ -151,23 +189,22 @@ PANEL_INLINE void panel_row_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,           
 {                                                                                            \
     enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL), WIDTH = PANEL_VECTORS * LANES };       \
     ptrdiff_t j0 = 0;                                                                        \
-    for (; j0 + WIDTH <= n; j0 += WIDTH)                                                     \
+    for (; n - j0 >= WIDTH + 2 * LANES; j0 += WIDTH)                                         \
         panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,         \
                              PANEL_VECTORS, LANES);                                          \
-    const ptrdiff_t left = n - j0;                                                           \
-    if (left == 0)                                                                           \
+    if (j0 == n)                                                                             \
         return;                                                                              \
-    const int nv = (int) ((left + LANES - 1) / LANES);                                       \
-    const int tail = (int) (left - (nv - 1) * LANES);                                        \
-    if (nv == 1)                                                                             \
-        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows, 1,      \
-                             tail);                                                          \
-    else if (nv == 2)                                                                        \
-        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows, 2,      \
-                             tail);                                                          \
-    else                                                                                     \
-        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,         \
-                             PANEL_VECTORS, tail);                                           \
+    int vectors = (int) ((n - j0 + LANES - 1) / LANES);                                      \
+    const int tail = (int) (n - j0 - (vectors - 1) * LANES);                                 \
+    if (vectors > PANEL_VECTORS) {                                                           \
+        const int first_half = (vectors + 1) / 2;                                            \
+        panel_narrow_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,  \
+                                    first_half, LANES);                                      \
+        j0 += first_half * LANES;                                                            \
+        vectors -= first_half;                                                               \
+    }                                                                                        \
+    panel_narrow_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,      \
+                                vectors, tail);                                              \
 }                                                                                            \
                                                                                              \
 /* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], row-major; a packed by      \

@@ -26,6 +26,8 @@ cimport numpy as cnp
 cimport openmp
 
 from _blas cimport gemm
+from _panels cimport (PANEL_GEMM_PREFERRED, Weights, pack_panel, panel_size, panels_to_pack,
+                      times_weights, weights_operand)
 from _scratch cimport Scratch, scratch_give, scratch_take
 from _tap_range cimport tap_end_valid, tap_first_valid
 from _convargs cimport check_conv_backward, check_conv_forward, conv_output_shape
@@ -41,25 +43,6 @@ DEF GEMM_MIN_COLUMNS = 256
 DEF COL_TILE_BYTES = 512 * 1024
 
 
-cdef extern from "panel_gemm.h" nogil:
-    enum:
-        PANEL_GEMM_PREFERRED
-    Py_ssize_t panel_size(Py_ssize_t m, Py_ssize_t k)
-    Py_ssize_t panel_count(Py_ssize_t m)
-    void panel_pack_f(float* panels, const float* a, Py_ssize_t m, Py_ssize_t k,
-                      Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
-                      Py_ssize_t p1)
-    void panel_pack_d(double* panels, const double* a, Py_ssize_t m, Py_ssize_t k,
-                      Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
-                      Py_ssize_t p1)
-    void panel_gemm_f(float* c, Py_ssize_t ldc, const float* panels, Py_ssize_t m,
-                      Py_ssize_t k, const float* b, Py_ssize_t ldb, Py_ssize_t n,
-                      const float* bias)
-    void panel_gemm_d(double* c, Py_ssize_t ldc, const double* panels, Py_ssize_t m,
-                      Py_ssize_t k, const double* b, Py_ssize_t ldb, Py_ssize_t n,
-                      const double* bias)
-
-
 cdef bint _panels_enabled = PANEL_GEMM_PREFERRED
 
 
@@ -73,62 +56,10 @@ def set_panel_gemm(bint enabled):
     return previous
 
 
-cdef struct Weights:
-    # The left operand of the products with w (C_out, K): w itself or its transpose (m, k),
-    # and its panels when the panel GEMM runs them (NULL for BLAS).
-    void* panels
-    Py_ssize_t m, k
-    bint transposed
-
-
-cdef Weights _weights(Py_ssize_t Co, Py_ssize_t K, bint transposed, void* panels) noexcept nogil:
-    cdef Weights a
-    a.panels = panels if _panels_enabled else NULL
-    a.m = K if transposed else Co
-    a.k = Co if transposed else K
-    a.transposed = transposed
-    return a
-
-
 cdef inline Py_ssize_t _panel_elements(const ConvShape* s) noexcept nogil:
     """Scratch for the panels of w or w^T (the same size either way up to padding)."""
     cdef Py_ssize_t a = panel_size(s.Co, s.K), b = panel_size(s.K, s.Co)
     return (a if a > b else b) if _panels_enabled else 0
-
-
-cdef inline Py_ssize_t _panels_to_pack(const Weights* a) noexcept nogil:
-    return panel_count(a.m) if a.panels != NULL else 0
-
-
-cdef inline void _pack_panel(const Weights* a, const floating* w, Py_ssize_t p) noexcept nogil:
-    """Packs panel p of a from w."""
-    cdef Py_ssize_t rs = 1 if a.transposed else a.k
-    cdef Py_ssize_t cs = a.m if a.transposed else 1
-    if floating is float:
-        panel_pack_f(<float*> a.panels, w, a.m, a.k, rs, cs, p, p + 1)
-    else:
-        panel_pack_d(<double*> a.panels, w, a.m, a.k, rs, cs, p, p + 1)
-
-
-cdef inline void _times_weights(floating* c, Py_ssize_t ldc, const Weights* a,
-                                const floating* w, const floating* b, Py_ssize_t ldb, Py_ssize_t n,
-                                const floating* bias) noexcept nogil:
-    """c (m, n) = a (m, k) @ b (k, n) [+ bias on every column], on one thread."""
-    cdef Py_ssize_t i, j
-    cdef floating beta = 0
-    if a.panels != NULL:
-        if floating is float:
-            panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, n, bias)
-        else:
-            panel_gemm_d(c, ldc, <const double*> a.panels, a.m, a.k, b, ldb, n, bias)
-        return
-    if bias != NULL:
-        beta = 1
-        for i in range(a.m):
-            for j in range(n):
-                c[i * ldc + j] = bias[i]
-    gemm(a.transposed, False, <int> a.m, <int> n, <int> a.k, <floating> 1, w,
-         <int> (a.m if a.transposed else a.k), b, <int> ldb, beta, c, <int> ldc)
 
 
 cdef extern from "plane_rows.h" nogil:
@@ -325,12 +256,13 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef floating* gathered = NULL
     cdef floating* out
     cdef const floating* colp
-    cdef Weights a = _weights(s.Co, s.K, False, work + threads * work_per_thread)
+    cdef Weights a = weights_operand(s.Co, s.K, False, (work + threads * work_per_thread)
+                                     if _panels_enabled else NULL)
     # Parallel over image groups: every group is an independent GEMM writing its own
     # images, so threads never wait on each other.
     with parallel(num_threads=threads):
-        for p in prange(_panels_to_pack(&a), schedule="static"):
-            _pack_panel(&a, w, p)
+        for p in prange(panels_to_pack(&a), schedule="static"):
+            pack_panel(&a, w, p)
         col = work + threadid() * work_per_thread
         gathered = col + s.K * s.G * s.R * s.Wo
         for grp in prange(groups, schedule="static"):
@@ -351,7 +283,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                 else:
                     out = gathered
                     ld_out = cols
-                _times_weights(out, ld_out, &a, w, colp, ld_col, cols, b)
+                times_weights(out, ld_out, &a, w, colp, ld_col, cols, b)
                 if gn > 1:
                     for g in range(gn):
                         for co in range(s.Co):
@@ -375,14 +307,15 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef const floating* colp
     cdef const floating* dyp
     cdef floating acc
-    cdef Weights a = _weights(s.Co, s.K, True, partials + (threads - 1) * slot + s.Co)
+    cdef Weights a = weights_operand(s.Co, s.K, True, (partials + (threads - 1) * slot + s.Co)
+                                     if _panels_enabled else NULL)
     # Thread 0 accumulates straight into dw and db; threads 1.. into zeroed partial sums
     # (partials: threads-1 slots of dw+db, then one db slot for a layer without bias).
     memset(partials, 0, ((threads - 1) * slot + s.Co) * sizeof(floating))
     # Parallel over image groups, as forward; input gradients go to the group's own images.
     with parallel(num_threads=threads):
-        for p in prange(_panels_to_pack(&a) if dx != NULL else 0, schedule="static"):
-            _pack_panel(&a, w, p)
+        for p in prange(panels_to_pack(&a) if dx != NULL else 0, schedule="static"):
+            pack_panel(&a, w, p)
         col = work + threadid() * work_per_thread
         gathered = col + s.K * s.G * s.R * s.Wo
         if threadid() == 0:
@@ -425,11 +358,11 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 if dx != NULL:
                     if _is_pointwise(&s, gn):
                         # 1x1 stride 1: the input gradient is the GEMM itself, no col2im.
-                        _times_weights(dx + n0 * s.C * s.P + oh0 * s.Wo, s.P, &a, w, dyp,
+                        times_weights(dx + n0 * s.C * s.P + oh0 * s.Wo, s.P, &a, w, dyp,
                                        ld_dy, cols, NULL)
                     else:
                         # dcol overwrites col: the weight-gradient GEMM above consumed it.
-                        _times_weights(col, cols, &a, w, dyp, ld_dy, cols, NULL)
+                        times_weights(col, cols, &a, w, dyp, ld_dy, cols, NULL)
                         for g in range(gn):
                             col2im_add(dx + (n0 + g) * s.C * s.H * s.W,
                                        col + g * (oh1 - oh0) * s.Wo, cols, &s, oh0, oh1)

@@ -38,3 +38,14 @@ def assert_zero_sizes_rejected(fn, arrays, rest=()):
 def require_torch():
     """torch, or a visible skip where it is not installed (CI installs torch==2.13.0)."""
     return pytest.importorskip("torch", reason="PyTorch parity tests need `pip install torch==2.13.0`")
+
+
+@pytest.fixture(params=["panel", "blas"])
+def weights_gemm(request):
+    """Runs the test with the products with the weights (im2col's and Winograd's) on dynar's
+    panel GEMM, then on BLAS (set_panel_gemm); the build's defaults are restored after."""
+    from dynar.kernels import conv, winograd
+    before = [module.set_panel_gemm(request.param == "panel") for module in (conv, winograd)]
+    yield request.param
+    for module, setting in zip((conv, winograd), before):
+        module.set_panel_gemm(setting)

@@ -21,15 +21,6 @@ GRAD_CASES = [
 ]
 
 
-@pytest.fixture(params=["panel", "blas"])
-def weights_gemm(request):
-    """Runs the test with the products with the weights on dynar's panel GEMM, then on BLAS
-    (conv.set_panel_gemm); the build's default is restored afterwards."""
-    before = conv.set_panel_gemm(request.param == "panel")
-    yield request.param
-    conv.set_panel_gemm(before)
-
-
 def _run(x, w, b, stride, padding, dy):
     y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, stride, padding), x.dtype)
     conv.conv2d_forward(y, x, w, b, stride, padding)

@@ -10,7 +10,8 @@ from conftest import at_thread_counts, require_torch
 # (N, C_in, H, W, C_out, padding): odd and even planes (partial last tiles), rectangular,
 # padding 0/1/2 and per-axis, a 1x1 image with padding, one channel, several images per
 # chunk, a plane wide enough to be cut into bands of tile rows, and small planes in chunks
-# of >= 8 images (the lane kernels; odd sizes, per-axis padding, a short last chunk).
+# of >= 8 images (the lane kernels; odd sizes, per-axis padding, a short last chunk);
+# channel counts that fill several panels of the panel GEMM and part of another.
 CASES = [
     (2, 3, 5, 7, 4, 1),
     (3, 5, 6, 6, 2, 0),
@@ -19,6 +20,7 @@ CASES = [
     (2, 1, 8, 8, 1, (1, 0)),
     (9, 6, 4, 4, 5, 1),
     (2, 8, 33, 31, 6, 1),
+    (2, 13, 6, 6, 19, 1),
     (1, 2, 70, 80, 2, 1),
     (17, 2, 5, 3, 3, 1),
     (16, 3, 6, 7, 2, (0, 2)),
@@ -41,7 +43,7 @@ def _inputs(rng, case, dtype, bias=True):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_winograd_equals_im2col_in_float64(case, rng):
+def test_winograd_equals_im2col_in_float64(case, weights_gemm, rng):
     # The transforms are exact up to rounding: float64 agrees to ~1e-15 relative.
     args = _inputs(rng, case, np.float64)
     for name, got, want in zip(("y", "dx", "dw", "db"), _winograd(*args), _im2col(*args)):
@@ -63,7 +65,7 @@ F32_TOL = dict(rtol=1e-4, atol=1e-4)
 
 @pytest.mark.parametrize("case", [(4, 64, 16, 16, 32, 1), (3, 16, 9, 11, 8, 1),
                                   (64, 32, 4, 4, 16, 1)])
-def test_winograd_float32_matches_pytorch(case, rng):
+def test_winograd_float32_matches_pytorch(case, weights_gemm, rng):
     torch = require_torch()
     x, w, b, padding, dy = _inputs(rng, case, np.float32)
     conv_checks.assert_float32_matches_pytorch(

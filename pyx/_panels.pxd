@@ -1,0 +1,85 @@
+# A layer's weights as the left operand of its GEMMs: on dynar's panel GEMM
+# (include/panel_gemm.h), packed once per call, or on BLAS, which packs them every call.
+#
+# A kernel module keeps a switch (`set_panel_gemm`, default PANEL_GEMM_PREFERRED), reserves
+# scratch for the panels when it is on, and describes each operand with weights_operand:
+# w (rows, cols) row-major, or its transpose. Without panels (NULL) the products run on BLAS
+# with w itself, so one call site serves both.
+from cython cimport floating
+
+from _blas cimport gemm
+
+cdef extern from "panel_gemm.h" nogil:
+    enum:
+        PANEL_GEMM_PREFERRED
+    Py_ssize_t panel_size(Py_ssize_t m, Py_ssize_t k)
+    Py_ssize_t panel_count(Py_ssize_t m)
+    Py_ssize_t panel_offset(Py_ssize_t i, Py_ssize_t j, Py_ssize_t k)
+    void panel_zero_padding_f(float* panels, Py_ssize_t m, Py_ssize_t k)
+    void panel_zero_padding_d(double* panels, Py_ssize_t m, Py_ssize_t k)
+    void panel_pack_f(float* panels, const float* a, Py_ssize_t m, Py_ssize_t k,
+                      Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
+                      Py_ssize_t p1)
+    void panel_pack_d(double* panels, const double* a, Py_ssize_t m, Py_ssize_t k,
+                      Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
+                      Py_ssize_t p1)
+    void panel_gemm_f(float* c, Py_ssize_t ldc, const float* panels, Py_ssize_t m,
+                      Py_ssize_t k, const float* b, Py_ssize_t ldb, Py_ssize_t n,
+                      const float* bias)
+    void panel_gemm_d(double* c, Py_ssize_t ldc, const double* panels, Py_ssize_t m,
+                      Py_ssize_t k, const double* b, Py_ssize_t ldb, Py_ssize_t n,
+                      const double* bias)
+
+
+cdef struct Weights:
+    void* panels         # the operand packed, or NULL: BLAS multiplies by w itself
+    Py_ssize_t m, k      # the operand's shape: (rows, cols) of w, or (cols, rows) transposed
+    bint transposed
+
+
+cdef inline Weights weights_operand(Py_ssize_t rows, Py_ssize_t cols, bint transposed,
+                                    void* panels) noexcept nogil:
+    """w (rows, cols), or its transpose, as a left operand; panels NULL for BLAS."""
+    cdef Weights a
+    a.panels = panels
+    a.m = cols if transposed else rows
+    a.k = rows if transposed else cols
+    a.transposed = transposed
+    return a
+
+
+cdef inline Py_ssize_t panels_to_pack(const Weights* a) noexcept nogil:
+    """How many pack_panel calls pack a: 0 on BLAS."""
+    return panel_count(a.m) if a.panels != NULL else 0
+
+
+cdef inline void pack_panel(const Weights* a, const floating* w, Py_ssize_t p) noexcept nogil:
+    """Packs panel p of a from w, so threads can split the panels."""
+    cdef Py_ssize_t rs = 1 if a.transposed else a.k
+    cdef Py_ssize_t cs = a.m if a.transposed else 1
+    if floating is float:
+        panel_pack_f(<float*> a.panels, w, a.m, a.k, rs, cs, p, p + 1)
+    else:
+        panel_pack_d(<double*> a.panels, w, a.m, a.k, rs, cs, p, p + 1)
+
+
+cdef inline void times_weights(floating* c, Py_ssize_t ldc, const Weights* a,
+                               const floating* w, const floating* b, Py_ssize_t ldb,
+                               Py_ssize_t n, const floating* bias) noexcept nogil:
+    """c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], on the calling thread;
+    w is the array a describes."""
+    cdef Py_ssize_t i, j
+    cdef floating beta = 0
+    if a.panels != NULL:
+        if floating is float:
+            panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, n, bias)
+        else:
+            panel_gemm_d(c, ldc, <const double*> a.panels, a.m, a.k, b, ldb, n, bias)
+        return
+    if bias != NULL:
+        beta = 1
+        for i in range(a.m):
+            for j in range(n):
+                c[i * ldc + j] = bias[i]
+    gemm(a.transposed, False, <int> a.m, <int> n, <int> a.k, <floating> 1, w,
+         <int> (a.m if a.transposed else a.k), b, <int> ldb, beta, c, <int> ldc)
