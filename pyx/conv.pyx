@@ -3,7 +3,7 @@
 Layout (as Caffe's base_conv_layer): for a group of G images, im2col unfolds the input into
 col (K, G*P) with K = C_in*kh*kw rows and P = H_out*W_out output pixels per image; then
     forward:      out (C_out, G*P) = w (C_out, K) @ col (K, G*P)          [+ bias]
-    weight grad:  dw  (C_out, K)  += dy (C_out, G*P) @ col^T (G*P, K)
+    weight grad:  dw^T (K, C_out) += col (K, G*P) @ dy^T (G*P, C_out)
     input grad:   dcol (K, G*P)    = w^T (K, C_out) @ dy (C_out, G*P);  col2im(dcol) -> dx
 G > 1 only where one image gives a skinny GEMM (late layers at 8x8 and below): BLAS runs
 wide GEMMs much faster, and the gather/scatter copies cost little next to K-deep products.
@@ -15,9 +15,9 @@ both again (set_panel_gemm switches; the weight gradient stays on BLAS, whose op
 both new every image).
 
 Parallelism: `prange` over image groups, one BLAS thread per OpenMP thread, thread-private
-im2col buffers. Weight and bias gradients go to per-thread partial sums that are reduced in
-fixed thread order afterwards (parallel over the weight elements), so a run is deterministic
-for a given thread count.
+im2col buffers. Weight and bias gradients go to per-thread partial sums (the weight
+gradient as dw^T) that are added to dw and db in fixed thread order afterwards (parallel over
+output channels), so a run is deterministic for a given thread count.
 """
 from cython cimport floating
 from cython.parallel cimport prange, parallel, threadid
@@ -299,7 +299,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t groups = (s.N + s.G - 1) // s.G
     cdef Py_ssize_t wsize = s.Co * s.K
     cdef Py_ssize_t slot = wsize + s.Co
-    cdef Py_ssize_t grp, n0, g, gn, co, p, oh0, oh1, cols, ld_col, ld_dy, t, i
+    cdef Py_ssize_t grp, n0, g, gn, co, p, oh0, oh1, cols, ld_col, ld_dy, t, kk
     cdef floating* col = NULL
     cdef floating* gathered = NULL
     cdef floating* dwt = NULL
@@ -307,23 +307,21 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef const floating* colp
     cdef const floating* dyp
     cdef floating acc
-    cdef Weights a = weights_operand(s.Co, s.K, True, (partials + (threads - 1) * slot + s.Co)
+    cdef Weights a = weights_operand(s.Co, s.K, True, (partials + threads * slot)
                                      if _panels_enabled else NULL)
-    # Thread 0 accumulates straight into dw and db; threads 1.. into zeroed partial sums
-    # (partials: threads-1 slots of dw+db, then one db slot for a layer without bias).
-    memset(partials, 0, ((threads - 1) * slot + s.Co) * sizeof(floating))
+    # Every thread sums its images' gradients in a zeroed slot of partials: the weight
+    # gradient transposed, dw^T (K, C_out), then the bias gradient. Asked for dw^T, BLAS
+    # packs col as it lies instead of transposing it: the backward pass of ResNet's stride-2
+    # layers ran 5% faster.
+    memset(partials, 0, threads * slot * sizeof(floating))
     # Parallel over image groups, as forward; input gradients go to the group's own images.
     with parallel(num_threads=threads):
         for p in prange(panels_to_pack(&a) if dx != NULL else 0, schedule="static"):
             pack_panel(&a, w, p)
         col = work + threadid() * work_per_thread
         gathered = col + s.K * s.G * s.R * s.Wo
-        if threadid() == 0:
-            dwt = dw
-            dbt = db if db != NULL else partials + (threads - 1) * slot
-        else:
-            dwt = partials + (threadid() - 1) * slot
-            dbt = dwt + wsize
+        dwt = partials + threadid() * slot
+        dbt = dwt + wsize
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
             gn = s.G if n0 + s.G <= s.N else s.N - n0
@@ -347,8 +345,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 # private to each thread.)
                 ld_col = operand_stride(&s, gn, cols)
                 colp = unfold(col, x, &s, n0, gn, oh0, oh1)
-                gemm(False, True, <int> s.Co, <int> s.K, <int> cols, <floating> 1, dyp,
-                     <int> ld_dy, colp, <int> ld_col, <floating> 1, dwt, <int> s.K)
+                gemm(False, True, <int> s.K, <int> s.Co, <int> cols, <floating> 1, colp,
+                     <int> ld_col, dyp, <int> ld_dy, <floating> 1, dwt, <int> s.Co)
                 if db != NULL:
                     for co in range(s.Co):
                         acc = 0
@@ -367,16 +365,18 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                             col2im_add(dx + (n0 + g) * s.C * s.H * s.W,
                                        col + g * (oh1 - oh0) * s.Wo, cols, &s, oh0, oh1)
                 oh0 = oh1
-    # Add the other threads' partial sums in fixed thread order, parallel over elements.
-    if threads > 1:
-        for i in prange(slot, schedule="static", num_threads=threads, nogil=True):
+    # Add the threads' sums in fixed thread order, parallel over output channels.
+    for co in prange(s.Co, schedule="static", num_threads=threads, nogil=True):
+        for kk in range(s.K):
             acc = 0
-            for t in range(threads - 1):
-                acc = acc + partials[t * slot + i]
-            if i < wsize:
-                dw[i] += acc
-            elif db != NULL:
-                db[i - wsize] += acc
+            for t in range(threads):
+                acc = acc + partials[t * slot + kk * s.Co + co]
+            dw[co * s.K + kk] += acc
+        if db != NULL:
+            acc = 0
+            for t in range(threads):
+                acc = acc + partials[t * slot + wsize + co]
+            db[co] += acc
 
 
 def conv2d_forward(y, x, w, b=None, stride=1, padding=0):
@@ -420,7 +420,7 @@ def conv2d_backward(dx, dw, db, dy, x, w, stride=1, padding=0):
     cdef ConvShape s = _plan(xa, wa, stride, padding, kind, &threads)
     cdef Py_ssize_t per_thread = _workspace_per_thread(&s)
     cdef size_t itemsize = 4 if kind == F32 else 8
-    cdef Py_ssize_t partial_size = (threads - 1) * (s.Co * s.K + s.Co) + s.Co
+    cdef Py_ssize_t partial_size = threads * (s.Co * s.K + s.Co)
     cdef bint private
     cdef void* work = scratch_take(
         &_scratch, (threads * per_thread + partial_size + _panel_elements(&s)) * itemsize,
