@@ -1,26 +1,30 @@
 /* dynar's own GEMM for products whose left operand is reused call after call: the weights of
- * a convolution (pyx/conv.pyx), the same for every image of a batch.
+ * a convolution, the same for every image of a batch (pyx/conv.pyx, pyx/winograd.pyx).
  *
  *     c (m, n) = a (m, k) @ b (k, n)  [+ bias[i] on every column of row i], row-major,
  *
- * with `a` packed once into row panels (panel_pack) and `b` read in place, unpacked. A BLAS
- * GEMM packs both operands on every call: on ResNet's 64 -> 128 stride-2 layer, one GEMM per
- * image, OpenBLAS spent 15% of the layer packing, the weights once per image (perf record,
- * docs/PERFORMANCE.md). Here the weights are packed once per batch, and `b` (im2col's output,
- * a tile sized to stay in cache) is read straight from where it was written.
+ * with `a` packed once into row panels (panel_pack, or written in panel form by its producer)
+ * and `b` read in place, unpacked. A BLAS GEMM packs both operands on every call: on ResNet's
+ * 64 -> 128 stride-2 layer, one GEMM per image, OpenBLAS spent 15% of the layer packing, the
+ * weights once per image (perf record, docs/PERFORMANCE.md). Here the weights are packed once
+ * per batch, and `b` (im2col's output, a tile sized to stay in cache) is read straight from
+ * where it was written.
  *
  * Panels: PANEL_ROWS rows of `a` at a time, stored column by column, so the micro-kernel reads
- * one contiguous run per column: a[p * PANEL_ROWS + r][j] is panels[(p * k + j) * PANEL_ROWS + r],
- * with rows past m zero (their products are never stored, but garbage there could be
- * subnormal, which multiply-adds on x86 take microcode assists for). The micro-kernel keeps a PANEL_ROWS x PANEL_VECTORS block of c in
- * vector registers, and for every j multiplies one broadcast element of the panel with
- * PANEL_VECTORS vectors of row j of b. With AVX-512 (32 registers of 16 floats) that is 8 x 3
- * vectors: 24 accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds; one panel of
- * 8 x 768 columns (24 KB of floats) stays in L1 while the block of b it meets (768 rows of 48
- * floats, 147 KB) stays in L2. By hand (one thread, Zen 5, packing excluded): 239-246 GF/s
- * on the shapes of ResNet's stride-2 layers, where OpenBLAS's sgemm with its packing ran
- * 212-235 and 2048^3 ran 226-238. Blocks of 12 x 2 and 6 x 4 vectors measured the same within
- * 3%, 16 x 1 and 4 x 6 (fewer independent sums or more loads per multiply-add) 15-50% slower. */
+ * one contiguous run per column: a[p * PANEL_ROWS + r][j] is
+ * panels[(p * k + j) * PANEL_ROWS + r], with rows past m zero (their products are never
+ * stored, but garbage there could be subnormal, which x86 multiply-adds take microcode assists
+ * for). The micro-kernel keeps a PANEL_ROWS x PANEL_VECTORS block of c in vector registers,
+ * and for every j multiplies one broadcast element of the panel with PANEL_VECTORS vectors of
+ * row j of b. With AVX-512 (32 registers of 16 floats) that is 8 x 3 vectors: 24
+ * accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds. The depth goes in passes
+ * of at most PANEL_DEPTH: a panel's part (8 x 768 floats, 24 KB) stays in L1 while its pass
+ * sweeps the same rows of b, which stay in L2 for the next panel. By hand (one thread of this
+ * machine's AMD EPYC: AVX-512, 48 KB L1d, 1 MB L2; packing excluded): 239-255 GF/s on the
+ * shapes of ResNet's stride-2 layers and of Winograd's products, where OpenBLAS's sgemm with
+ * its packing ran 210-244 and its 2048^3 226-238. Blocks of 12 x 2 and 6 x 4 vectors measured
+ * the same within 3%; 16 x 1 and 4 x 6 (fewer independent sums, or more loads per
+ * multiply-add) 15-50% slower. */
 #ifndef DYNAR_PANEL_GEMM_H
 #define DYNAR_PANEL_GEMM_H
 #include <stddef.h>
@@ -37,18 +41,17 @@
 #endif
 #if defined(__AVX512F__) || defined(__aarch64__)
 #define PANEL_ROWS 8
-#define PANEL_VECTORS 3
 #else
 #define PANEL_ROWS 4
-#define PANEL_VECTORS 3
 #endif
+#define PANEL_VECTORS 3    /* panel_narrow_block dispatches 1 to 3 */
 /* Columns of `a` (rows of `b`) per pass over c: keeps a panel's block in L1, b's in L2. */
 #define PANEL_DEPTH 768
 
-/* Whether conv's im2col path uses these kernels by default (conv.set_panel_gemm overrides).
- * Measured only where the build targets AVX-512; elsewhere the runtime-dispatched BLAS
- * kernels are the safer default until measured (an SSE2 portable build would be far slower
- * than OpenBLAS's AVX-512 kernels on the same machine). */
+/* Whether im2col and Winograd use these kernels by default (set_panel_gemm overrides).
+ * Measured only where the build targets AVX-512. Elsewhere BLAS stays the default until
+ * measured: a portable SSE2 build has a quarter of AVX-512's vector width, while OpenBLAS
+ * picks its AVX-512 kernels at run time. */
 #if defined(__AVX512F__)
 #define PANEL_GEMM_PREFERRED 1
 #else
@@ -162,7 +165,7 @@ PANEL_INLINE void panel_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,         
         }                                                                                    \
 }                                                                                            \
                                                                                              \
-/* A block of nv (1 to PANEL_VECTORS, at most 3) vectors, nv as a constant. */              \
+/* A block of nv (1 to PANEL_VECTORS) vectors, nv as a constant. */                          \
 PANEL_INLINE void panel_narrow_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                \
                                               const REAL *restrict panel, ptrdiff_t kd,       \
                                               const REAL *restrict b, ptrdiff_t ldb,          \

@@ -8,7 +8,9 @@ torch.nn.functional.conv2d's with the same thread count, and the float32 GEMM ce
 and the per-tap GEMMs always, the direct kernels at stride 1, Winograd on 3x3 stride 1), which
 is the measurement behind that choice. Every GFLOP/s counts the direct convolution's
 multiply-adds, padding included: Winograd does fewer and the per-tap GEMMs skip the padding,
-so both can exceed the ceiling.
+so both can exceed the ceiling. Where dynar runs im2col or Winograd, the same kernel is timed
+with its products with the weights on BLAS instead of dynar's panel GEMM (set_panel_gemm), the
+benchmark that keeps the panel GEMM in (DESIGN.md: a hand-written kernel must beat BLAS).
 """
 import numpy as np
 
@@ -53,6 +55,17 @@ ALGORITHMS = {"gemm": "im2col", "winograd": "winograd", "direct": "direct",
               "tapgemm": "tapgemm"}
 
 
+def _on_blas(module, kernel):
+    """kernel() with module's products with the weights on BLAS, the default restored."""
+    def run():
+        before = module.set_panel_gemm(False)
+        try:
+            kernel()
+        finally:
+            module.set_panel_gemm(before)
+    return run
+
+
 def _layer_candidates(torch, C, Co, k, s, p, H, rng):
     from dynar.kernels import conv, direct, tapgemm, winograd
     from dynar.nn.conv import preferred_kernel
@@ -87,6 +100,10 @@ def _layer_candidates(torch, C, Co, k, s, p, H, rng):
         candidates["direct_fwd"] = lambda: direct.direct_forward(y, x, w, None, p)
         candidates["direct_bwd"] = lambda: direct.direct_backward(dx, dw, None, dy, x, w, p)
     algorithm = ALGORITHMS[preferred_kernel(x.shape, w.shape, s, p)]
+    module = {"im2col": conv, "winograd": winograd}.get(algorithm)
+    if module is not None:
+        for pass_ in ("fwd", "bwd"):
+            candidates[f"blas_{pass_}"] = _on_blas(module, candidates[f"{algorithm}_{pass_}"])
     flops = 2.0 * BATCH * Co * C * k * k * y.shape[2] * y.shape[3]
     return candidates, flops, algorithm
 
@@ -97,7 +114,10 @@ def summary_text(summary):
             f"fwd+bwd at {100 * summary['deep3x3_min_fraction_of_ceiling']:.0f}% (worst) / "
             f"{100 * summary['deep3x3_geomean_fraction_of_ceiling']:.0f}% (geomean) of the "
             f"ceiling. All layers: geometric-mean speed-up vs PyTorch "
-            f"{summary['geomean_speedup_vs_torch']:.2f}x.")
+            f"{summary['geomean_speedup_vs_torch']:.2f}x. Layers on im2col or Winograd: "
+            f"fwd+bwd at {summary['panel_vs_blas_geomean']:.2f}x (geomean; "
+            f"{summary['panel_vs_blas_min']:.2f}x-{summary['panel_vs_blas_max']:.2f}x) the "
+            f"speed of the same kernel with its products with the weights on BLAS.")
 
 
 def run(quick=False):
@@ -128,15 +148,21 @@ def run(quick=False):
                    torch_fwd_bwd_gflops=3 * flops / torch_total / 1e9,
                    speedup_vs_torch=torch_total / (fwd + bwd))
         rec["fwd_bwd_fraction_of_ceiling"] = rec["dynar_fwd_bwd_gflops"] / ceiling
+        rec["weights_on_blas_fwd_bwd_gflops"] = (3 * flops / (t["blas_fwd"] + t["blas_bwd"]) / 1e9
+                                                 if "blas_fwd" in t else None)
         records.append(rec)
         per_algorithm = [rec[f"{a}_fwd_bwd_gflops"] for a in ALGORITHMS.values()]
         rows.append([net, name, algorithm, f"{rec['dynar_fwd_gflops']:.0f}",
                      f"{rec['dynar_bwd_gflops']:.0f}",
                      *("-" if g is None else f"{g:.0f}" for g in per_algorithm),
+                     "-" if rec["weights_on_blas_fwd_bwd_gflops"] is None
+                     else f"{rec['weights_on_blas_fwd_bwd_gflops']:.0f}",
                      f"{rec['torch_fwd_gflops']:.0f}", f"{rec['torch_bwd_gflops']:.0f}",
                      f"{100 * rec['fwd_bwd_fraction_of_ceiling']:.0f}%",
                      f"{rec['speedup_vs_torch']:.2f}x"])
     deep = [r for r in records if r["kernel"] == 3 and r["C_in"] >= 64 and r["C_out"] >= 64]
+    panel_gains = [r["dynar_fwd_bwd_gflops"] / r["weights_on_blas_fwd_bwd_gflops"]
+                   for r in records if r["weights_on_blas_fwd_bwd_gflops"]]
     summary = {
         "threads": threads,
         "gemm_ceiling_gflops": ceiling,
@@ -145,10 +171,14 @@ def run(quick=False):
         "deep3x3_min_fraction_of_ceiling": min(r["fwd_bwd_fraction_of_ceiling"] for r in deep),
         "deep3x3_geomean_fraction_of_ceiling": harness.geometric_mean(
             r["fwd_bwd_fraction_of_ceiling"] for r in deep),
+        "panel_vs_blas_geomean": harness.geometric_mean(panel_gains),
+        "panel_vs_blas_min": min(panel_gains),
+        "panel_vs_blas_max": max(panel_gains),
     }
     table = harness.format_table(
         ["network", "layer", "dynar runs", "dynar fwd GF/s", "dynar bwd GF/s",
-         *(f"{a} fwd+bwd GF/s" for a in ALGORITHMS.values()), "torch fwd GF/s", "torch bwd GF/s",
+         *(f"{a} fwd+bwd GF/s" for a in ALGORITHMS.values()),
+         "dynar with w on BLAS fwd+bwd GF/s", "torch fwd GF/s", "torch bwd GF/s",
          "dynar fwd+bwd / ceiling", "fwd+bwd speed-up vs torch"], rows)
     table += "\n\n" + summary_text(summary)
     print(table)
