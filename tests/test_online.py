@@ -101,6 +101,25 @@ def test_drift_starts_new_trials_and_steady_timings_do_not():
     assert len(chosen) == 2 and chosen[1]["reason"].startswith("drift: 15.00 ms against 10.00 ms")
 
 
+def test_drift_is_measured_against_the_chosen_plans_own_steady_figure():
+    # The chosen plan runs 40% slower than its trial said, and stays there: no new trials.
+    # Then it slows by 30% more: drift, against its steady figure.
+    events = []
+    ctl = controller(events)
+    figure = {"now": 0.01}
+    while not any(e["phase"] == "chosen" for e in events):
+        drive(ctl, lambda name: figure["now"], 1)
+    figure["now"] = 0.014
+    drive(ctl, lambda name: figure["now"], 4 * online.CHECK_STEPS)
+    steady = [e for e in events if e["phase"] == "steady"]
+    assert len(steady) == 1 and steady[0]["measured_sync_s"] == 0.014
+    assert sum(e["phase"] == "chosen" for e in events) == 1
+    figure["now"] = 0.014 * 1.3
+    drive(ctl, lambda name: figure["now"], 6 * online.CHECK_STEPS)
+    chosen = [e for e in events if e["phase"] == "chosen"]
+    assert len(chosen) == 2 and chosen[1]["reason"].startswith("drift: 18.20 ms against 14.00 ms")
+
+
 def test_ranks_with_different_timings_choose_the_same_plan():
     # The agree() callback stands for the MPI max over ranks: whatever each rank measured
     # locally, both see the same figures and so walk through identical decisions.

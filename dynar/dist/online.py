@@ -21,9 +21,13 @@ same step (collective sequences can never differ):
 1. measure: MEASURE_STEPS steps on the default plan, recording each layer's ready time;
 2. trial:   each candidate plan runs trial_steps() steps; its figure is the median of
             backward span + exposed communication (the part of a step sync can change);
-3. run:     the fastest candidate; every check_steps() steps its figure is compared with
-            the one it won with, and two windows in a row drifting beyond DRIFT start a new
-            trial from fresh timings.
+3. run:     the fastest candidate. Its first check_steps() steps give its steady figure
+            (event phase "steady"); every check_steps() steps after, the figure is compared
+            with that, and two windows in a row drifting beyond DRIFT start a new trial from
+            fresh timings. The baseline is the chosen plan's own steady figure, not the
+            trial's: a trial is a short window right after a switch, and on 4 ranks sharing
+            2 cores LeNet's plan won its trial at 2.18 ms, then ran at 2.9-3.2 ms on the
+            same plan, and the check against the trial figure re-ran every trial mid-run.
 Trials and checks last at least TRIAL_STEPS and CHECK_STEPS steps, and on fast steps as many
 as fill TRIAL_SECONDS and CHECK_SECONDS: four steps of LeNet (0.8 ms each on 2 ranks) are
 too few to tell its candidates apart, and picked the slower one in one of two runs; 20 ms
@@ -136,7 +140,8 @@ class OnlinePlanner:
         self._results = []         # [(name, plan, measured)]
         self.plan = None           # the plan running now (None: the default)
         self.candidate = None      # its name: planned, fused or buckets
-        self._baseline = None
+        self._baseline = None      # the running plan's figure (its trial's until steady)
+        self._steady = False       # whether _baseline is the running plan's own window
         self._drifted = 0          # consecutive windows off the baseline
         self.step = 0
 
@@ -208,8 +213,13 @@ class OnlinePlanner:
                 return self._next_trial()
             name, plan, best = _fastest(self._results)
             self.candidate, self.plan, self._baseline, self._skip = name, plan, best, 1
+            self._steady = False
             self._event("chosen", name, plan, best, reason=self._reason)
             return plan.buckets
+        if not self._steady:
+            self._baseline, self._steady = measured, True
+            self._event("steady", self.candidate, self.plan, measured)
+            return None
         # Two drifted windows in a row: one slow window is noise (another job, a page-cache
         # flush), not a change in the model's timings.
         self._drifted = self._drifted + 1 if planner.should_replan(self._baseline, measured,
