@@ -67,11 +67,10 @@ def _single(argv, env=None):
 
 
 def _explore_steps(step_s):
-    """Steps dynamic sync may spend exploring (measuring, then one trial per candidate
-    plan) before it runs its choice, for steps of about step_s seconds (None: unknown). A
-    trial's length follows the step's sync figure, half a step or more."""
-    trial = online.MAX_TRIAL_STEPS if step_s is None else online.trial_steps(step_s / 2)
-    return online.MEASURE_STEPS + 1 + online.MAX_CANDIDATES * (trial + 1)
+    """Steps dynamic sync may spend exploring (measuring, then two trial halves per
+    candidate plan) before it runs its choice, for steps of about step_s seconds (None:
+    unknown). A trial's length follows the step's sync figure, half a step or more."""
+    return online.exploration_steps(0.0 if step_s is None else step_s / 2)
 
 
 def _dynar(launcher, name, variant, mode, steps, step_s=None, env=None):

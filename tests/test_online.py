@@ -18,16 +18,29 @@ def controller(events, agree=lambda a: a):
                                 bucket_bytes=300000)
 
 
-def drive(ctl, figure, steps):
+def drive(ctl, figure, steps, ran=None):
     """Feed `steps` steps whose sync figure is figure(candidate running); returns the
-    (step, buckets) changes."""
+    (step, buckets) changes. ran, a list, gets the candidate of every step."""
     changes = []
     for _ in range(steps):
         name = ctl.candidate or "default"
+        if ran is not None:
+            ran.append(name)
         new = ctl.observe(READY, figure(name))
         if new is not None:
             changes.append((ctl.step, new))
     return changes
+
+
+def runs(names):
+    """[(name, consecutive steps)] of a per-step list of names."""
+    out = []
+    for name in names:
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return [tuple(r) for r in out]
 
 
 def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
@@ -35,7 +48,8 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     ctl = controller(events)
     speed = {"default": 0.01, "planned": 0.009, "fused": 0.008, "buckets": 0.012,
              "fused (mpi)": 0.007, "buckets (mpi)": 0.011}
-    drive(ctl, lambda name: speed[name], 120)
+    ran = []
+    drive(ctl, lambda name: speed[name], 120, ran)
     phases = [e["phase"] for e in events]
     assert phases[0] == "cost model" and events[0]["source"] == "test model"
     trials = [e for e in events if e["phase"] == "trial"]
@@ -48,10 +62,17 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     chosen = [e for e in events if e["phase"] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["candidate"] == "fused (mpi)"
     assert len(ctl.plan.buckets) == 1
-    # The default plan ran MEASURE_STEPS steps (the first dropped), then each trial the
-    # steps that fill TRIAL_SECONDS at the default plan's figure, after a dropped switching
-    # step.
-    assert trials[0]["step"] == online.MEASURE_STEPS + 1 + online.trial_steps(speed["default"])
+    # The default plan ran MEASURE_STEPS steps, then every candidate half the steps that
+    # fill TRIAL_SECONDS at the default plan's figure, and again in reverse order (the
+    # middle two halves are one run); each switch adds a step that is not counted.
+    half = -(-online.trial_steps(speed["default"]) // 2)
+    order = names + names[::-1]
+    expected = [("default", online.MEASURE_STEPS)] + [
+        (name, half * (2 if i == len(names) - 1 else 1) + 1)
+        for i, name in enumerate(order) if i != len(names)]
+    assert runs(ran)[:len(expected)] == expected
+    assert chosen[0]["step"] == sum(n for _, n in expected)
+    assert chosen[0]["step"] <= online.exploration_steps(speed["default"], len(names))
 
 
 def test_a_plan_with_more_buckets_must_win_by_more_than_the_tie_margin():
@@ -79,11 +100,11 @@ def test_trials_on_fast_steps_run_long_enough_to_tell_candidates_apart():
     # TRIAL_SECONDS instead (and drift checks CHECK_SECONDS), bounded.
     events = []
     ctl = controller(events)
-    drive(ctl, lambda name: 0.0005, 400)
-    trials = [e for e in events if e["phase"] == "trial"]
+    ran = []
+    drive(ctl, lambda name: 0.0005, 600, ran)
     assert online.trial_steps(0.0005) == 40
-    assert trials[0]["step"] == online.MEASURE_STEPS + 1 + 40
-    assert trials[1]["step"] - trials[0]["step"] == 1 + 40
+    # Two halves of 20 steps per candidate, each after a switching step.
+    assert runs(ran)[1:3] == [("planned", 21), ("fused", 21)]
     assert online.trial_steps(0.05) == online.TRIAL_STEPS
     assert online.trial_steps(1e-6) == online.MAX_TRIAL_STEPS
     assert online.check_steps(0.0005) == 200 and online.check_steps(0.01) == online.CHECK_STEPS
@@ -96,7 +117,7 @@ def test_drift_starts_new_trials_and_steady_timings_do_not():
     drive(ctl, lambda name: 0.01 * state["slow"], 45 + 3 * online.CHECK_STEPS)
     assert sum(e["phase"] == "chosen" for e in events) == 1
     state["slow"] = 1.5
-    drive(ctl, lambda name: 0.01 * state["slow"], 2 * online.CHECK_STEPS + 45)
+    drive(ctl, lambda name: 0.01 * state["slow"], 6 * online.CHECK_STEPS)
     chosen = [e for e in events if e["phase"] == "chosen"]
     assert len(chosen) == 2 and chosen[1]["reason"].startswith("drift: 15.00 ms against 10.00 ms")
 

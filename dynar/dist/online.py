@@ -19,8 +19,13 @@ The phases, all decided from figures maxed over ranks so every rank switches pla
 same step (collective sequences can never differ):
 
 1. measure: MEASURE_STEPS steps on the default plan, recording each layer's ready time;
-2. trial:   each candidate plan runs trial_steps() steps; its figure is the median of
-            backward span + exposed communication (the part of a step sync can change);
+2. trial:   each candidate plan runs trial_steps() steps, in two halves: every candidate
+            once, then again in reverse order (A B C C B A), so a trend in step times over
+            the trials adds about as much to every candidate's figure (on 4 emulated hosts
+            at 1 Gbit/s the plan tried first won on LeNet's steps of the first few hundred
+            and then ran 5-10% slower than fused mode); a candidate's figure is the median
+            over its steps of backward span + exposed communication (the part of a step
+            sync can change);
 3. run:     the fastest candidate. Its first check_steps() steps give its steady figure
             (event phase "steady"); every check_steps() steps after, the figure is compared
             with that, and two windows in a row drifting beyond DRIFT start a new trial from
@@ -69,6 +74,14 @@ def _steps_filling(seconds, sync_s, least, most):
 def trial_steps(sync_s):
     """Steps each trial runs when a step's sync figure is sync_s seconds."""
     return _steps_filling(TRIAL_SECONDS, sync_s, TRIAL_STEPS, MAX_TRIAL_STEPS)
+
+
+def exploration_steps(sync_s, candidates=MAX_CANDIDATES):
+    """At most how many steps go by before the first plan is chosen, when a step's sync
+    figure is sync_s seconds: the measuring steps, then each candidate's two halves, each
+    after a dropped switching step."""
+    half = -(-trial_steps(sync_s) // 2)
+    return MEASURE_STEPS + 1 + 2 * candidates * (half + 1)
 
 
 def check_steps(sync_s):
@@ -136,8 +149,9 @@ class OnlinePlanner:
         self._trial_steps, self._check_steps = TRIAL_STEPS, CHECK_STEPS
         self._skip = 1
         self._window = []
-        self._trials = []          # [(name, plan)] still to try
-        self._results = []         # [(name, plan, measured)]
+        self._trials = []          # [(name, plan)] still to try, each candidate twice
+        self._samples = {}         # candidate name -> its trial steps' figures
+        self._plans = {}           # candidate name -> plan
         self.plan = None           # the plan running now (None: the default)
         self.candidate = None      # its name: planned, fused or buckets
         self._baseline = None      # the running plan's figure (its trial's until steady)
@@ -172,16 +186,34 @@ class OnlinePlanner:
                                        np.median(self._recent)))
         ready, sync_s = agreed[:-1], float(agreed[-1])
         self._trial_steps, self._check_steps = trial_steps(sync_s), check_steps(sync_s)
-        self._trials = self._candidates(ready)
-        self._results = []
+        found = self._candidates(ready)
+        self._trials = found + found[::-1]
+        self._samples = {name: [] for name, _ in found}
+        self._plans = dict(found)
         self._reason = reason
+        self.candidate = None
         return self._next_trial()
 
     def _next_trial(self):
         name, plan = self._trials.pop(0)
-        self.candidate = name
-        self._window, self._skip = [], 1    # the first step on new buckets is not typical
-        self.plan = plan
+        self._window = []
+        if name == self.candidate:    # the middle of A B C C B A: the buckets stay
+            return None
+        self.candidate, self.plan = name, plan
+        self._skip = 1                # the first step on new buckets is not typical
+        return plan.buckets
+
+    def _choose(self):
+        """After the last trial: every candidate's figure, agreed, then the fastest runs."""
+        names = list(self._samples)
+        figures = self._agree(np.array([np.median(self._samples[n]) for n in names]))
+        results = [(n, self._plans[n], float(f)) for n, f in zip(names, figures)]
+        for name, plan, measured in results:
+            self._event("trial", name, plan, measured)
+        name, plan, best = _fastest(results)
+        self._window, self._skip = [], int(name != self.candidate)
+        self.candidate, self.plan, self._baseline, self._steady = name, plan, best, False
+        self._event("chosen", name, plan, best, reason=self._reason)
         return plan.buckets
 
     def observe(self, ready, sync_s):
@@ -201,21 +233,17 @@ class OnlinePlanner:
                 return self._start_trials("initial")
             return None
         self._window.append(sync_s)
-        running = self._baseline is not None
-        if len(self._window) < (self._check_steps if running else self._trial_steps):
+        if self._baseline is None:                        # trying candidates
+            if len(self._window) < -(-self._trial_steps // 2):
+                return None
+            self._samples[self.candidate] += self._window
+            if self._trials:
+                return self._next_trial()
+            return self._choose()
+        if len(self._window) < self._check_steps:
             return None
         measured = float(self._agree(np.array([np.median(self._window)]))[0])
         self._window = []
-        if not running:                                   # a trial finished
-            self._results.append((self.candidate, self.plan, measured))
-            self._event("trial", self.candidate, self.plan, measured)
-            if self._trials:
-                return self._next_trial()
-            name, plan, best = _fastest(self._results)
-            self.candidate, self.plan, self._baseline, self._skip = name, plan, best, 1
-            self._steady = False
-            self._event("chosen", name, plan, best, reason=self._reason)
-            return plan.buckets
         if not self._steady:
             self._baseline, self._steady = measured, True
             self._event("steady", self.candidate, self.plan, measured)
