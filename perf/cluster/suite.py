@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 
+from dynar.dist import online
 from perf import allreduce as allreduce_suite
 from perf import dist as dist_suite
 from perf import harness, plots
@@ -160,6 +161,10 @@ def training(quick, tune_dir):
 
 
 TRACE_STEPS = 3
+# Steps of the traced run: dynamic sync's exploration before its first choice, at AlexNet's
+# step time here (~400 ms: the shortest trials, as for any sync figure of 25 ms or more),
+# then the chosen plan's steps, of which the last TRACE_STEPS are drawn.
+TRACED_RUN_STEPS = online.exploration_steps(online.TRIAL_SECONDS) + 4 * TRACE_STEPS
 
 
 def trace_run(quick, tune_dir):
@@ -170,7 +175,8 @@ def trace_run(quick, tune_dir):
         trace = os.path.join(tmp, "trace.json")
         argv = [sys.executable, "-m", "dynar.train", "--model", "alexnet", "--variant", "cifar",
                 "--dropout", "0", "--dataset", "synthetic", "--batch-size", "128",
-                "--max-steps", "40", "--threads", "1", "--eval-every", "0", "--trace", trace]
+                "--max-steps", str(TRACED_RUN_STEPS), "--threads", "1", "--eval-every", "0",
+                "--trace", trace]
         proc = _Launcher(c, 4, 1, "10gbit", tune_dir).run(argv)
         if proc.returncode != 0:
             raise RuntimeError(f"traced run failed: {proc.stderr[-2000:]}")
@@ -183,7 +189,7 @@ def trace_run(quick, tune_dir):
         json.dump({"traceEvents": keep, "displayTimeUnit": "ms"}, f)
     png = plots.timeline("trace_alexnet_cluster", keep,
                          f"alexnet-cifar, 4 emulated hosts x 1 rank @ 10 Gbit/s, --sync dynamic:"
-                         f" last {TRACE_STEPS} of 40 steps")
+                         f" last {TRACE_STEPS} of {TRACED_RUN_STEPS} steps")
     return path, png
 
 
