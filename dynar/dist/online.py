@@ -32,7 +32,8 @@ same step (collective sequences can never differ):
             fresh timings. The baseline is the chosen plan's own steady figure, not the
             trial's: a trial is a short window right after a switch, and on 4 ranks sharing
             2 cores LeNet's plan won its trial at 2.18 ms, then ran at 2.9-3.2 ms on the
-            same plan, and the check against the trial figure re-ran every trial mid-run.
+            same plan, and in one launch of two the check against the trial figure re-ran
+            every trial mid-run.
 Trials and checks last at least TRIAL_STEPS and CHECK_STEPS steps, and on fast steps as many
 as fill TRIAL_SECONDS and CHECK_SECONDS: four steps of LeNet (0.8 ms each on 2 ranks) are
 too few to tell its candidates apart, and picked the slower one in one of two runs; 20 ms
@@ -40,8 +41,8 @@ of trial (5-10 of its 2-4 ms steps on 4 emulated hosts) still let a 2-bucket pla
 then ran 16% behind the fixed modes, where 100 ms (25-40 steps) chose one bucket in three
 runs of three, within 1-5% of the fastest fixed mode.
 
-Every decision is logged as a JSON event "plan" (phase trial/chosen) with the predicted and
-the measured figure.
+Every decision is logged as a JSON event "plan" (phase trial, chosen or steady) with the
+predicted and the measured figure.
 """
 import collections
 
