@@ -5,8 +5,9 @@ with fp16 on the wire) against mpi4py's MPI_Allreduce, alternated size by size, 
 the slowest rank; and the ring's transfers alone as plain MPI_Sendrecv calls (no sums), how
 fast the MPI library itself moves the ring's bytes. Bus bandwidth = 2(p-1)/p * bytes / time,
 the bytes every rank must move in the best algorithm, so figures for different p compare;
-the ring lower bound of a link of bandwidth B is 2(p-1)/p * n / B. On loopback the "link" is shared memory, its B measured in
-the same run (a large point-to-point exchange); on the emulated cluster it is the shaped rate.
+the ring lower bound of a link of bandwidth B is 2(p-1)/p * n / B. On loopback the "link" is
+shared memory, its B measured in the same run (a large point-to-point exchange); on the
+emulated cluster it is the shaped rate.
 
 `measure(launch, ...)` is shared with the cluster suite, which launches the same worker on
 emulated hosts.

@@ -65,7 +65,7 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     # The default plan ran MEASURE_STEPS steps, then every candidate half the steps that
     # fill TRIAL_SECONDS at the default plan's figure, and again in reverse order (the
     # middle two halves are one run); each switch adds a step that is not counted.
-    half = -(-online.trial_steps(speed["default"]) // 2)
+    half = online.trial_half_steps(speed["default"])
     order = names + names[::-1]
     expected = [("default", online.MEASURE_STEPS)] + [
         (name, half * (2 if i == len(names) - 1 else 1) + 1)

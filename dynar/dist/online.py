@@ -77,12 +77,16 @@ def trial_steps(sync_s):
     return _steps_filling(TRIAL_SECONDS, sync_s, TRIAL_STEPS, MAX_TRIAL_STEPS)
 
 
+def trial_half_steps(sync_s):
+    """Steps of each of a trial's two halves (trial_steps, rounded up to an even count)."""
+    return -(-trial_steps(sync_s) // 2)
+
+
 def exploration_steps(sync_s, candidates=MAX_CANDIDATES):
     """At most how many steps go by before the first plan is chosen, when a step's sync
     figure is sync_s seconds: the measuring steps, then each candidate's two halves, each
     after a dropped switching step."""
-    half = -(-trial_steps(sync_s) // 2)
-    return MEASURE_STEPS + 1 + 2 * candidates * (half + 1)
+    return MEASURE_STEPS + 1 + 2 * candidates * (trial_half_steps(sync_s) + 1)
 
 
 def check_steps(sync_s):
@@ -147,7 +151,7 @@ class OnlinePlanner:
         self.bucket_bytes = bucket_bytes
         self._ready = collections.deque(maxlen=MEASURE_STEPS - 1)
         self._recent = collections.deque(maxlen=MEASURE_STEPS - 1)   # sync figures
-        self._trial_steps, self._check_steps = TRIAL_STEPS, CHECK_STEPS
+        self._half_steps = self._check_steps = None   # set when trials start
         self._skip = 1
         self._window = []
         self._trials = []          # [(name, plan)] still to try, each candidate twice
@@ -186,7 +190,7 @@ class OnlinePlanner:
         agreed = self._agree(np.append(np.median(np.array(self._ready), axis=0),
                                        np.median(self._recent)))
         ready, sync_s = agreed[:-1], float(agreed[-1])
-        self._trial_steps, self._check_steps = trial_steps(sync_s), check_steps(sync_s)
+        self._half_steps, self._check_steps = trial_half_steps(sync_s), check_steps(sync_s)
         found = self._candidates(ready)
         self._trials = found + found[::-1]
         self._samples = {name: [] for name, _ in found}
@@ -235,7 +239,7 @@ class OnlinePlanner:
             return None
         self._window.append(sync_s)
         if self._baseline is None:                        # trying candidates
-            if len(self._window) < -(-self._trial_steps // 2):
+            if len(self._window) < self._half_steps:
                 return None
             self._samples[self.candidate] += self._window
             if self._trials:
