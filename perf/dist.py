@@ -67,7 +67,7 @@ def _single(argv, env=None):
 
 
 def _explore_steps(step_s):
-    """Steps dynamic sync may spend exploring (measuring, then two trial halves per
+    """Steps dynamic sync may spend exploring (measuring, then two trial blocks per
     candidate plan) before it runs its choice, for steps of about step_s seconds (None:
     unknown). A trial's length follows the step's sync figure, half a step or more."""
     return online.exploration_steps(0.0 if step_s is None else step_s / 2)

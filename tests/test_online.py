@@ -1,4 +1,7 @@
 """Dynamic Allreduce's online controller, without MPI: phases, trials, choice and drift."""
+import collections
+import threading
+
 import numpy as np
 
 from dynar.dist import online
@@ -13,8 +16,12 @@ def cost_model():
                             "ring": AlgorithmCost(3e-5, 5e-10)}), "test model"
 
 
-def controller(events, agree=lambda a: a):
-    return online.OnlinePlanner(SIZES, cost_model, None, agree, events.append,
+def one_rank(values):
+    return np.asarray(values)[None]
+
+
+def controller(events, gather=one_rank):
+    return online.OnlinePlanner(SIZES, cost_model, None, gather, events.append,
                                 bucket_bytes=300000)
 
 
@@ -32,24 +39,13 @@ def drive(ctl, figure, steps, ran=None):
     return changes
 
 
-def runs(names):
-    """[(name, consecutive steps)] of a per-step list of names."""
-    out = []
-    for name in names:
-        if out and out[-1][0] == name:
-            out[-1][1] += 1
-        else:
-            out.append([name, 1])
-    return [tuple(r) for r in out]
-
-
 def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     events = []
     ctl = controller(events)
     speed = {"default": 0.01, "planned": 0.009, "fused": 0.008, "buckets": 0.012,
              "fused (mpi)": 0.007, "buckets (mpi)": 0.011}
     ran = []
-    drive(ctl, lambda name: speed[name], 120, ran)
+    drive(ctl, lambda name: speed[name], online.exploration_steps(0.01), ran)
     phases = [e["phase"] for e in events]
     assert phases[0] == "cost model" and events[0]["source"] == "test model"
     trials = [e for e in events if e["phase"] == "trial"]
@@ -62,17 +58,57 @@ def test_measures_then_tries_every_candidate_and_keeps_the_fastest():
     chosen = [e for e in events if e["phase"] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["candidate"] == "fused (mpi)"
     assert len(ctl.plan.buckets) == 1
-    # The default plan ran MEASURE_STEPS steps, then every candidate half the steps that
-    # fill TRIAL_SECONDS at the default plan's figure, and again in reverse order (the
-    # middle two halves are one run); each switch adds a step that is not counted.
-    half = online.trial_half_steps(speed["default"])
-    order = names + names[::-1]
-    expected = [("default", online.MEASURE_STEPS)] + [
-        (name, half * (2 if i == len(names) - 1 else 1) + 1)
-        for i, name in enumerate(order) if i != len(names)]
-    assert runs(ran)[:len(expected)] == expected
-    assert chosen[0]["step"] == sum(n for _, n in expected)
+    # The default plan ran MEASURE_STEPS steps, then every candidate a block (warm-up steps,
+    # then half the steps that fill TRIAL_SECONDS at the default plan's figure), and again
+    # in reverse order.
+    steps = online.trial_steps(speed["default"])
+    assert all(t["steps"] == steps for t in trials)
+    expected = ["default"] * online.MEASURE_STEPS + [
+        name for name, _ in online.trial_schedule(names, steps,
+                                                  online.warmup_steps(speed["default"]))]
+    assert ran[:len(expected)] == expected
+    assert chosen[0]["step"] == len(expected)
     assert chosen[0]["step"] <= online.exploration_steps(speed["default"], len(names))
+
+
+def test_trial_blocks_go_there_and_back_each_after_unmeasured_warm_up_steps():
+    schedule = online.trial_schedule(["A", "B", "C"], 4, 3)
+    warm, half = [False] * 3, [True] * 2
+    # C's second block continues its first: nothing to warm up.
+    assert [n for n, _ in schedule] == list("AAAAABBBBBCCCCCCCBBBBBAAAAA")
+    assert [m for _, m in schedule] == (warm + half) * 3 + half + (warm + half) * 2
+
+
+def test_a_plan_that_starts_slow_after_a_switch_is_measured_once_warm():
+    # The library's allreduce after a block of the ring: its idle connections restart in
+    # TCP slow start, so its first 0.1 s of steps are slow. Warm, it is the fastest.
+    events = []
+    ctl = controller(events)
+    speed = {"default": 0.01, "planned": 0.0080, "fused": 0.0076, "buckets": 0.0090,
+             "fused (mpi)": 0.0070, "buckets (mpi)": 0.0085}
+    ran = []
+
+    def figure(name):
+        since_switch = next((i for i, n in enumerate(reversed(ran[:-1])) if n != name),
+                            len(ran) - 1)
+        cold = name == "fused (mpi)" and since_switch < 10
+        return speed[name] * (1.6 if cold else 1.0)
+
+    drive(ctl, figure, online.exploration_steps(0.01), ran)
+    chosen = [e for e in events if e["phase"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["candidate"] == "fused (mpi)"
+    trials = {e["candidate"]: e["measured_sync_s"] for e in events if e["phase"] == "trial"}
+    assert trials == {name: speed[name] for name in trials}
+
+
+def test_a_candidates_figure_averages_each_step_over_ranks_before_the_median():
+    # The rank that reaches the allreduce last waits least: on A the ranks take turns at
+    # waiting (5 ms, 2 ms), which costs 3.5 ms a step; B costs 4 ms on both. One rank's own
+    # median (5 ms on rank 0) would make A look the slower.
+    names = ["A", "B"] * 4
+    rank0 = [5, 4, 5, 4, 5, 4, 2, 4]
+    rank1 = [2, 4, 2, 4, 2, 4, 5, 4]
+    assert online.candidate_figures([rank0, rank1], names) == {"A": 3.5, "B": 4.0}
 
 
 def test_a_plan_with_more_buckets_must_win_by_more_than_the_tie_margin():
@@ -84,7 +120,7 @@ def test_a_plan_with_more_buckets_must_win_by_more_than_the_tie_margin():
         ctl = controller(events)
         speed = {"default": 0.01, "planned": 0.008 * (1 - margin), "fused": 0.0085,
                  "buckets": 0.012, "fused (mpi)": 0.008, "buckets (mpi)": 0.011}
-        drive(ctl, lambda name: speed[name], 120)
+        drive(ctl, lambda name: speed[name], online.exploration_steps(0.01))
         chosen = [e for e in events if e["phase"] == "chosen"]
         assert len(chosen) == 1
         planned = [e for e in events if e["phase"] == "trial" and e["candidate"] == "planned"]
@@ -101,12 +137,15 @@ def test_trials_on_fast_steps_run_long_enough_to_tell_candidates_apart():
     events = []
     ctl = controller(events)
     ran = []
-    drive(ctl, lambda name: 0.0005, 600, ran)
-    assert online.trial_steps(0.0005) == 40
-    # Two halves of 20 steps per candidate, each after a switching step.
-    assert runs(ran)[1:3] == [("planned", 21), ("fused", 21)]
+    drive(ctl, lambda name: 0.0005, online.exploration_steps(0.0005), ran)
+    assert online.trial_steps(0.0005) == online.MAX_TRIAL_STEPS
+    chosen = [e for e in events if e["phase"] == "chosen"][0]["step"]
+    tried = collections.Counter(ran[online.MEASURE_STEPS:chosen])
+    assert online.warmup_steps(0.0005) == online.MAX_WARMUP_STEPS
+    # Two blocks each (the middle one's second needs no warm-up).
+    assert sorted(set(tried.values())) == [online.MAX_TRIAL_STEPS + n * online.MAX_WARMUP_STEPS
+                                           for n in (1, 2)]
     assert online.trial_steps(0.05) == online.TRIAL_STEPS
-    assert online.trial_steps(1e-6) == online.MAX_TRIAL_STEPS
     assert online.check_steps(0.0005) == 200 and online.check_steps(0.01) == online.CHECK_STEPS
 
 
@@ -114,10 +153,12 @@ def test_drift_starts_new_trials_and_steady_timings_do_not():
     events = []
     ctl = controller(events)
     state = {"slow": 1.0}
-    drive(ctl, lambda name: 0.01 * state["slow"], 45 + 3 * online.CHECK_STEPS)
+    drive(ctl, lambda name: 0.01 * state["slow"],
+          online.exploration_steps(0.01) + 3 * online.CHECK_STEPS)
     assert sum(e["phase"] == "chosen" for e in events) == 1
     state["slow"] = 1.5
-    drive(ctl, lambda name: 0.01 * state["slow"], 6 * online.CHECK_STEPS)
+    drive(ctl, lambda name: 0.01 * state["slow"],
+          3 * online.CHECK_STEPS + online.exploration_steps(0.015))
     chosen = [e for e in events if e["phase"] == "chosen"]
     assert len(chosen) == 2 and chosen[1]["reason"].startswith("drift: 15.00 ms against 10.00 ms")
 
@@ -136,29 +177,50 @@ def test_drift_is_measured_against_the_chosen_plans_own_steady_figure():
     assert len(steady) == 1 and steady[0]["measured_sync_s"] == 0.014
     assert sum(e["phase"] == "chosen" for e in events) == 1
     figure["now"] = 0.014 * 1.3
-    drive(ctl, lambda name: figure["now"], 6 * online.CHECK_STEPS)
+    drive(ctl, lambda name: figure["now"],
+          3 * online.CHECK_STEPS + online.exploration_steps(figure["now"]))
     chosen = [e for e in events if e["phase"] == "chosen"]
     assert len(chosen) == 2 and chosen[1]["reason"].startswith("drift: 18.20 ms against 14.00 ms")
 
 
-def test_ranks_with_different_timings_choose_the_same_plan():
-    # The agree() callback stands for the MPI max over ranks: whatever each rank measured
-    # locally, both see the same figures and so walk through identical decisions.
-    rng = np.random.default_rng(0)
-    shared = {}
+class Allgather:
+    """An allgather among threads, one per rank: what MPI_Allgather does for sync.py."""
 
-    def agree(values):
-        key = (values.shape, len(shared))
-        return shared.setdefault(key, values * 0 + 0.02)   # "the slowest rank's" figures
+    def __init__(self, ranks):
+        self._barrier = threading.Barrier(ranks, timeout=10)
+        self._rows = [None] * ranks
 
-    plans = []
-    for rank in range(2):
-        shared.clear()
-        ctl = controller([], agree)
-        for _ in range(60):
-            ctl.observe(np.sort(rng.random(4)) * 0.01, rng.random() * 0.01)
-        plans.append(ctl.plan)
-    assert plans[0] == plans[1]
+    def of(self, rank):
+        def gather(values):
+            self._rows[rank] = np.array(values, np.float64)
+            self._barrier.wait()
+            out = np.stack(self._rows)
+            self._barrier.wait()        # nobody overwrites a row before every rank read it
+            return out
+        return gather
+
+
+def test_ranks_with_different_timings_choose_the_same_plans_at_the_same_steps():
+    # Each rank measures its own timings; the decisions come only from gathered figures,
+    # so every rank switches to the same buckets at the same step.
+    comm = Allgather(3)
+    decisions = [None] * 3
+
+    def rank(r):
+        rng = np.random.default_rng(r)
+        ctl, changes = controller([], comm.of(r)), []
+        for _ in range(400):
+            new = ctl.observe(np.sort(rng.random(4)) * 0.01, rng.random() * 0.01)
+            if new is not None:
+                changes.append((ctl.step, new))
+        decisions[r] = changes
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert decisions[0] and decisions[0] == decisions[1] == decisions[2]
 
 
 def test_trials_run_dynars_own_algorithm_even_when_the_model_prices_the_library_cheapest():
@@ -169,11 +231,11 @@ def test_trials_run_dynars_own_algorithm_even_when_the_model_prices_the_library_
                                 "ring": AlgorithmCost(3e-5, 5e-10),
                                 "rabenseifner": AlgorithmCost(2e-5, 6e-10)}), "test model"
     events = []
-    ctl = online.OnlinePlanner(SIZES, mpi_cheapest, None, lambda a: a, events.append,
+    ctl = online.OnlinePlanner(SIZES, mpi_cheapest, None, one_rank, events.append,
                                bucket_bytes=300000)
     speed = {"default": 0.01, "planned": 0.009, "fused": 0.009, "buckets": 0.012,
              "fused (dynar)": 0.007, "buckets (dynar)": 0.011}
-    drive(ctl, lambda name: speed[name], 160)
+    drive(ctl, lambda name: speed[name], online.exploration_steps(0.01))
     trials = {e["candidate"]: e for e in events if e["phase"] == "trial"}
     assert trials["fused"]["algorithms"] == {"mpi": 1}
     assert trials["fused (dynar)"]["algorithms"] == {"ring": 1}

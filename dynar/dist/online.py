@@ -15,31 +15,38 @@ AlexNet's 89 MB, and with trials of that algorithm alone dynamic ran 4% behind t
 fixed mode; in launches whose tune priced one of dynar's cheapest, the trials chose it and
 ran 4-7% ahead.
 
-The phases, all decided from figures maxed over ranks so every rank switches plans at the
-same step (collective sequences can never differ):
+The phases, all decided from figures gathered from every rank, so every rank switches
+plans at the same step (collective sequences can never differ):
 
 1. measure: MEASURE_STEPS steps on the default plan, recording each layer's ready time;
-2. trial:   each candidate plan runs trial_steps() steps, in two halves: every candidate
-            once, then again in reverse order (A B C C B A), so a trend in step times over
-            the trials adds about as much to every candidate's figure (on 4 emulated hosts
-            at 1 Gbit/s the plan tried first won on LeNet's steps of the first few hundred
-            and then ran 5-10% slower than fused mode); a candidate's figure is the median
-            over its steps of backward span + exposed communication (the part of a step
-            sync can change);
+2. trial:   each candidate plan runs in two blocks, every candidate once and then again
+            in reverse order (A B C C B A), so a trend in step times over the trial adds
+            about as much to every candidate's figure. A candidate's figure is the median
+            over its measured steps of the step's backward span + exposed communication
+            (the part of a step sync can change), averaged over ranks. Measured on 4
+            emulated hosts at 1 Gbit/s, LeNet (docs/PERFORMANCE.md):
+            - a block first runs warmup_steps() unmeasured steps, about WARMUP_SECONDS: a
+              plan whose algorithm talks to other peers than the plan before it starts
+              slow. Open MPI's allreduce ran at 4.55 ms for the first 10 steps after 80 of
+              dynar's ring, 3.66 ms after 25: its connections to the ranks two hops away
+              had sat idle, and TCP restarts an idle connection in slow start (the ramp is
+              gone with net.ipv4.tcp_slow_start_after_idle=0). Blocks measured from their
+              second step chose the ring in 4 launches of 5, which then ran at 4.0-4.9 ms a
+              step against fused mode's 3.9-4.5.
+            - the mean over ranks: one rank's figure swings by 1 ms from step to step
+              (standard deviation 1.08 ms on 3.6 ms, lag-1 correlation -0.44), as the rank
+              that arrives last at the allreduce waits least. The mean over ranks of a step
+              cancels that (0.38 ms): the median of 28 steps moves 2% instead of 8%;
 3. run:     the fastest candidate. Its first check_steps() steps give its steady figure
             (event phase "steady"); every check_steps() steps after, the figure is compared
             with that, and two windows in a row drifting beyond DRIFT start a new trial from
             fresh timings. The baseline is the chosen plan's own steady figure, not the
-            trial's: a trial is a short window right after a switch, and on 4 ranks sharing
-            2 cores LeNet's plan won its trial at 2.18 ms, then ran at 2.9-3.2 ms on the
-            same plan, and in one launch of two the check against the trial figure re-ran
-            every trial mid-run.
+            trial's: on 4 ranks sharing 2 cores LeNet's plan won its trial at 2.18 ms, then
+            ran at 2.9-3.2 ms on the same plan, and in one launch of two the check against
+            the trial figure re-ran every trial mid-run.
 Trials and checks last at least TRIAL_STEPS and CHECK_STEPS steps, and on fast steps as many
 as fill TRIAL_SECONDS and CHECK_SECONDS: four steps of LeNet (0.8 ms each on 2 ranks) are
-too few to tell its candidates apart, and picked the slower one in one of two runs; 20 ms
-of trial (5-10 of its 2-4 ms steps on 4 emulated hosts) still let a 2-bucket plan win that
-then ran 16% behind the fixed modes, where 100 ms (25-40 steps) chose one bucket in three
-runs of three, within 1-5% of the fastest fixed mode.
+too few to tell its candidates apart, and picked the slower one in one of two runs.
 
 Every decision is logged as a JSON event "plan" (phase trial, chosen or steady) with the
 predicted and the measured figure.
@@ -54,6 +61,8 @@ MEASURE_STEPS = 6      # the first is dropped: it pays for buffer allocation
 TRIAL_STEPS = 4
 TRIAL_SECONDS = 0.1
 MAX_TRIAL_STEPS = 40
+WARMUP_SECONDS = 0.15
+MAX_WARMUP_STEPS = 60
 CHECK_STEPS = 20
 CHECK_SECONDS = 0.1
 DRIFT = 0.2
@@ -73,20 +82,43 @@ def _steps_filling(seconds, sync_s, least, most):
 
 
 def trial_steps(sync_s):
-    """Steps each trial runs when a step's sync figure is sync_s seconds."""
+    """Steps each candidate is measured in a trial when a step's sync figure is sync_s
+    seconds."""
     return _steps_filling(TRIAL_SECONDS, sync_s, TRIAL_STEPS, MAX_TRIAL_STEPS)
 
 
-def trial_half_steps(sync_s):
-    """Steps of each of a trial's two halves (trial_steps, rounded up to an even count)."""
-    return -(-trial_steps(sync_s) // 2)
+def warmup_steps(sync_s):
+    """Unmeasured steps at the start of a trial block, when a step's sync figure is sync_s
+    seconds."""
+    return _steps_filling(WARMUP_SECONDS, sync_s, 1, MAX_WARMUP_STEPS)
+
+
+def trial_schedule(names, steps, warmup):
+    """[(name, measured)] for the steps of a trial, in order: a block of `steps`/2 measured
+    steps per candidate, then again in reverse order; a block starts with `warmup`
+    unmeasured steps unless it continues the candidate before it."""
+    schedule = []
+    for name in names + names[::-1]:
+        if not schedule or schedule[-1][0] != name:
+            schedule += [(name, False)] * warmup
+        schedule += [(name, True)] * -(-steps // 2)
+    return schedule
 
 
 def exploration_steps(sync_s, candidates=MAX_CANDIDATES):
     """At most how many steps go by before the first plan is chosen, when a step's sync
-    figure is sync_s seconds: the measuring steps, then each candidate's two halves, each
-    after a dropped switching step."""
-    return MEASURE_STEPS + 1 + 2 * candidates * (trial_half_steps(sync_s) + 1)
+    figure is sync_s seconds: the measuring steps, then the trial's."""
+    block = warmup_steps(sync_s) + -(-trial_steps(sync_s) // 2)
+    return MEASURE_STEPS + 2 * candidates * block
+
+
+def candidate_figures(per_rank, names):
+    """{name: figure} from a trial's per-step figures of every rank (ranks x steps, identical
+    on every rank) and the candidate each step ran: the median over the candidate's steps of
+    the step's mean over ranks."""
+    per_step = np.asarray(per_rank, np.float64).mean(axis=0)
+    names = np.asarray(names)
+    return {name: float(np.median(per_step[names == name])) for name in dict.fromkeys(names)}
 
 
 def check_steps(sync_s):
@@ -138,24 +170,24 @@ class OnlinePlanner:
 
     sizes_bytes: per-layer gradient bytes (on the wire) in ready order; cost_model(): the
     (CostModel, source), fetched on first use (collective); algorithms: those allowed
-    (None: all the cost model has);
-    agree(array) -> elementwise max over ranks; on_event(dict) records decisions."""
+    (None: all the cost model has); gather(array) -> every rank's array, one row per rank,
+    identical on every rank (collective); on_event(dict) records decisions."""
 
-    def __init__(self, sizes_bytes, cost_model, algorithms, agree, on_event,
+    def __init__(self, sizes_bytes, cost_model, algorithms, gather, on_event,
                  bucket_bytes=25 * 2 ** 20):
         self.sizes = np.asarray(sizes_bytes, np.int64)
         self._cost_model, self._cost = cost_model, None
         self._algorithms = algorithms
-        self._agree = agree
+        self._gather = gather
         self._on_event = on_event
         self.bucket_bytes = bucket_bytes
         self._ready = collections.deque(maxlen=MEASURE_STEPS - 1)
         self._recent = collections.deque(maxlen=MEASURE_STEPS - 1)   # sync figures
-        self._half_steps = self._check_steps = None   # set when trials start
+        self._check_steps = None   # set when trials start
         self._skip = 1
         self._window = []
-        self._trials = []          # [(name, plan)] still to try, each candidate twice
-        self._samples = {}         # candidate name -> its trial steps' figures
+        self._schedule = []        # [(name, measured)] trial steps still to run, this first
+        self._trial = []           # [(name, figure)] of the trial's measured steps
         self._plans = {}           # candidate name -> plan
         self.plan = None           # the plan running now (None: the default)
         self.candidate = None      # its name: planned, fused or buckets
@@ -186,35 +218,43 @@ class OnlinePlanner:
             self._algorithms = self._algorithms or self._cost.algorithms
             self._on_event({"event": "plan", "phase": "cost model", "step": self.step,
                             "source": source, "algorithms": list(self._algorithms)})
-        # One collective for both: the layers' ready times and the sync figure, maxed.
-        agreed = self._agree(np.append(np.median(np.array(self._ready), axis=0),
-                                       np.median(self._recent)))
+        # One collective for both: the layers' ready times and the sync figure, the
+        # slowest rank's.
+        agreed = self._gather(np.append(np.median(np.array(self._ready), axis=0),
+                                        np.median(self._recent))).max(axis=0)
         ready, sync_s = agreed[:-1], float(agreed[-1])
-        self._half_steps, self._check_steps = trial_half_steps(sync_s), check_steps(sync_s)
+        self._check_steps = check_steps(sync_s)
         found = self._candidates(ready)
-        self._trials = found + found[::-1]
-        self._samples = {name: [] for name, _ in found}
         self._plans = dict(found)
+        self._schedule = trial_schedule(list(self._plans), trial_steps(sync_s),
+                                        warmup_steps(sync_s))
+        self._trial = []
         self._reason = reason
-        self.candidate = None
-        return self._next_trial()
+        return self._run(self._schedule[0][0])
 
-    def _next_trial(self):
-        name, plan = self._trials.pop(0)
-        self._window = []
-        if name == self.candidate:    # the middle of A B C C B A: the buckets stay
+    def _run(self, name):
+        """Buckets to switch to for running candidate `name` next, or None if it runs now."""
+        if name == self.candidate:
             return None
-        self.candidate, self.plan = name, plan
-        self._skip = 1                # the first step on new buckets is not typical
-        return plan.buckets
+        self.candidate, self.plan = name, self._plans[name]
+        return self.plan.buckets
+
+    def _trial_step(self, sync_s):
+        """One trial step has run (the schedule's first)."""
+        name, measured = self._schedule.pop(0)
+        if measured:
+            self._trial.append((name, sync_s))
+        if self._schedule:
+            return self._run(self._schedule[0][0])
+        return self._choose()
 
     def _choose(self):
-        """After the last trial: every candidate's figure, agreed, then the fastest runs."""
-        names = list(self._samples)
-        figures = self._agree(np.array([np.median(self._samples[n]) for n in names]))
-        results = [(n, self._plans[n], float(f)) for n, f in zip(names, figures)]
-        for name, plan, measured in results:
-            self._event("trial", name, plan, measured)
+        """After the last trial step: every candidate's figure, agreed, then the fastest runs."""
+        names, figures = zip(*self._trial)
+        measured = candidate_figures(self._gather(np.array(figures)), names)
+        results = [(n, plan, measured[n]) for n, plan in self._plans.items()]
+        for name, plan, figure in results:
+            self._event("trial", name, plan, figure, steps=names.count(name))
         name, plan, best = _fastest(results)
         self._window, self._skip = [], int(name != self.candidate)
         self.candidate, self.plan, self._baseline, self._steady = name, plan, best, False
@@ -233,21 +273,17 @@ class OnlinePlanner:
         if ready is not None:
             self._ready.append(ready)
             self._recent.append(sync_s)
+        if self._schedule:                                # trying candidates
+            return self._trial_step(sync_s)
         if self.plan is None:                             # measuring on the default plan
             if len(self._ready) == self._ready.maxlen:
                 return self._start_trials("initial")
             return None
         self._window.append(sync_s)
-        if self._baseline is None:                        # trying candidates
-            if len(self._window) < self._half_steps:
-                return None
-            self._samples[self.candidate] += self._window
-            if self._trials:
-                return self._next_trial()
-            return self._choose()
         if len(self._window) < self._check_steps:
             return None
-        measured = float(self._agree(np.array([np.median(self._window)]))[0])
+        measured = candidate_figures(self._gather(np.array(self._window)),
+                                     [self.candidate] * len(self._window))[self.candidate]
         self._window = []
         if not self._steady:
             self._baseline, self._steady = measured, True
@@ -259,6 +295,6 @@ class OnlinePlanner:
                                                                     DRIFT) else 0
         if self._drifted >= 2:
             reason = f"drift: {1e3 * measured:.2f} ms against {1e3 * self._baseline:.2f} ms"
-            self._baseline, self._drifted = None, 0
+            self._drifted = 0
             return self._start_trials(reason)
         return None

@@ -142,7 +142,7 @@ class GradientSynchronizer:
             wire = 2 if compress else 1
             share = 1 if node is None else node.size
             self.online = OnlinePlanner(self._sizes // (wire * share), self._cost_model,
-                                        self._allowed_algorithms(), self._max_over_ranks,
+                                        self._allowed_algorithms(), self._gather_over_ranks,
                                         self._on_event, self.bucket_bytes // (wire * share))
         self._thread = None
         if self.world > 1 and self.progress == "thread" and mode in ("buckets", "dynamic"):
@@ -164,9 +164,10 @@ class GradientSynchronizer:
             return ("mpi",)           # only MPI_Iallreduce progresses without a thread
         return None                   # every algorithm the cost model prices
 
-    def _max_over_ranks(self, values):
-        out = np.empty_like(values)
-        self._all_ranks.Allreduce(values, out, op=runtime.mpi().MAX)
+    def _gather_over_ranks(self, values):
+        values = np.ascontiguousarray(values, np.float64)
+        out = np.empty((self._all_ranks.Get_size(), values.size), np.float64)
+        self._all_ranks.Allgather(values, out)
         return out
 
     def _cost_model(self):

@@ -162,9 +162,10 @@ def training(quick, tune_dir):
 
 TRACE_STEPS = 3
 # Steps of the traced run: dynamic sync's exploration before its first choice, at AlexNet's
-# step time here (~400 ms: the shortest trials, as for any sync figure of 25 ms or more),
-# then the chosen plan's steps, of which the last TRACE_STEPS are drawn.
-TRACED_RUN_STEPS = online.exploration_steps(online.TRIAL_SECONDS) + 4 * TRACE_STEPS
+# step time here (~400 ms: the shortest trials and warm-ups, as for any sync figure of
+# WARMUP_SECONDS or more), then the chosen plan's steps, of which the last TRACE_STEPS are
+# drawn.
+TRACED_RUN_STEPS = online.exploration_steps(online.WARMUP_SECONDS) + 4 * TRACE_STEPS
 
 
 def trace_run(quick, tune_dir):
