@@ -89,6 +89,15 @@ def test_bandwidth_allreduce_and_cleanup():
     assert run_id not in cluster.leftovers()
 
 
+def test_removed_shapers_leave_the_links_unlimited():
+    require_namespaces()
+    with cluster.Cluster(hosts=2, ranks_per_host=1, rate="100mbit") as c:
+        c.network.remove_shapers()
+        result = cluster.measure_bandwidth(c, seconds=1.0)
+    # Shaped, one stream carries at most 95.6 Mbit/s; veth alone carries gigabits.
+    assert result["gbit_per_s"] > 0.5, result
+
+
 def test_ranks_of_one_host_share_a_node():
     require_namespaces()
     with cluster.Cluster(hosts=2, ranks_per_host=2, rate="1gbit") as c:

@@ -186,6 +186,13 @@ class Network:
             run_cmd(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root"] + shaper)
             run_cmd(["tc", "qdisc", "add", "dev", veth, "root"] + shaper)
 
+    def remove_shapers(self):
+        """Take the tbf off both ends of every link: what is left is bounded only by the
+        kernel's TCP work on this machine's cores (the suite's measure of that ceiling)."""
+        for ns, veth in zip(self.namespaces, self.veths):
+            run_cmd(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"])
+            run_cmd(["tc", "qdisc", "del", "dev", veth, "root"])
+
     def destroy(self):
         remove(self.namespaces, self.veths + [self.bridge])
 
