@@ -65,6 +65,8 @@ class SGD:
                                  f"got {self.momentum_buffer.dtype} {self.momentum_buffer.shape}")
         self.size = size
         self._whole = self._pieces([(0, size)])
+        # A node replica updates the same ranges every step: their views are built once.
+        self._ranges, self._ranged = None, None
 
     def _pieces(self, ranges):
         """(params, grads, velocity) views that cover `ranges` of the parameters laid end to
@@ -89,7 +91,9 @@ class SGD:
         # torch copies the first direction into the momentum buffer undamped; from a zero
         # buffer, dampening 0 on the first step gives exactly that
         dampening = self.dampening if self.steps else 0.0
-        for params, grads, buf in self._whole if ranges is None else self._pieces(ranges):
+        if ranges is not None and ranges != self._ranges:
+            self._ranged, self._ranges = self._pieces(ranges), list(ranges)
+        for params, grads, buf in self._whole if ranges is None else self._ranged:
             sgd_step(params, grads, buf, self.lr, self.momentum, self.weight_decay,
                      self.nesterov, dampening)
         self.steps += 1
