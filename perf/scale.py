@@ -75,7 +75,7 @@ MODELS = [("lenet", None), ("alexnet", "cifar"), ("vgg16_bn", "cifar"), ("resnet
 NODES = [2 ** k for k in range(10)]                   # 1 ... 512
 SYNC_MODES = ("per-layer", "fused", "buckets", "dynamic")
 PER_RANK_BATCH = 32
-BUCKET_BYTES = 25 * 2 ** 20                           # sync.py's default, PyTorch DDP's
+BUCKET_BYTES = planner.DEFAULT_BUCKET_BYTES          # sync.py's default, PyTorch DDP's
 INPUT_SHAPES = {None: (1, 28, 28), "mnist": (1, 28, 28), "cifar": (3, 32, 32),
                 "imagenet": (3, 224, 224)}
 WARMUP = 3

@@ -49,6 +49,7 @@ from mpi4py.MPI cimport Comm, Win
 from _validate cimport F32, FloatKind, check_float, check_real, data, float_kind
 
 from dynar.dist import wire
+from dynar.dist.algorithms import ALGORITHMS
 from dynar.dist.nodes import split_by_node
 
 cnp.import_array()
@@ -63,7 +64,6 @@ cdef extern from "wire16.h" nogil:
     float dynar_bf16_to_f32(uint16_t)
 
 COMPILED_VENDOR = DYNAR_MPI_VENDOR.decode()
-ALGORITHMS = ("mpi", "ring", "recursive_doubling", "rabenseifner", "hierarchical")
 WIRES = wire.FORMATS
 
 # MPI counts are C ints: one message carries at most this many elements.
@@ -87,7 +87,7 @@ DEF TAG = 7401
 DEF SPIN_NS = 50000
 DEF SLEEP_NS = 20000
 
-cdef enum Algorithm:
+cdef enum Algorithm:     # in the order of ALGORITHMS (dist/algorithms.py)
     ALG_MPI = 0
     ALG_RING = 1
     ALG_RECURSIVE_DOUBLING = 2

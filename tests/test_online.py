@@ -183,6 +183,30 @@ def test_drift_is_measured_against_the_chosen_plans_own_steady_figure():
     assert len(chosen) == 2 and chosen[1]["reason"].startswith("drift: 18.20 ms against 14.00 ms")
 
 
+def test_a_new_trial_runs_each_candidates_new_plan_even_under_the_running_name():
+    # "planned" wins; then every layer is ready at once and the steps slow down: drift. The
+    # new trial's first block is "planned" again, now one bucket, and must run that.
+    events = []
+    ctl = controller(events)
+    running = {"buckets": None}
+
+    def step(ready, figure):
+        new = ctl.observe(ready, figure)
+        if new is not None:
+            running["buckets"] = new
+
+    while not any(e["phase"] == "chosen" for e in events):
+        step(READY, 0.005 if ctl.candidate == "planned" else 0.01)
+    first = ctl.plan.buckets
+    assert ctl.candidate == "planned" and running["buckets"] == first and len(first) > 1
+    slow = 0
+    while not ctl._schedule:
+        step(np.zeros_like(READY), 0.008 if slow < 3 * online.CHECK_STEPS else 0.012)
+        slow += 1
+    assert ctl.candidate == "planned" and ctl.plan.buckets != first
+    assert running["buckets"] == ctl.plan.buckets
+
+
 class Allgather:
     """An allgather among threads, one per rank: what MPI_Allgather does for sync.py."""
 

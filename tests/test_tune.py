@@ -33,6 +33,19 @@ def test_tune_writes_a_file_that_training_then_loads(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 1     # loaded, not re-tuned
 
 
+def test_a_tuning_file_that_cannot_be_written_does_not_stop_training(tmp_path):
+    # The directory's parent is a file: no mkdir succeeds, even as root.
+    (tmp_path / "taken").write_text("")
+    env = {"DYNAR_TUNE_DIR": str(tmp_path / "taken" / "tune"), "DYNAR_NODE_REPLICA": "off"}
+    log = tmp_path / "log.jsonl"
+    done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "12",
+                       "--eval-every", "0", "--threads", "1", "--log", str(log)], env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cannot save the tuning file" in done.stderr and "Traceback" not in done.stderr
+    plans = [json.loads(line) for line in log.read_text().splitlines() if '"plan"' in line]
+    assert plans and plans[0]["source"].startswith("brief tune"), plans
+
+
 def test_tune_on_one_node_with_a_shared_replica_has_nothing_to_tune(tmp_path):
     done = run_mpi(2, ["-m", "dynar.tune", "--sizes", "4096,65536", "--repeats", "1"],
                    env={"DYNAR_TUNE_DIR": str(tmp_path)})

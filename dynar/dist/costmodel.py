@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
-ALGORITHMS = ("mpi", "ring", "recursive_doubling", "rabenseifner", "hierarchical")
+from .algorithms import ALGORITHMS
 
 _TUNING_FORMAT = "dynar-tuning"
 _TUNING_VERSION = 1
@@ -268,9 +268,9 @@ class CostModel:
 
     @classmethod
     def default(cls, ranks, ranks_per_node=1):
-        """A placeholder used until the job is tuned: α = 5 µs, β = 1/(5 GB/s), γ =
-        1/(10 GB/s), roughly shared memory or a fast interconnect. Plans made with it are
-        plausible, not optimal; measure and fit to replace it."""
+        """Round prices for when nothing was measured (jobs tune instead; tests and examples
+        use it): α = 5 µs, β = 1/(5 GB/s), γ = 1/(10 GB/s), roughly shared memory or a fast
+        interconnect. Plans made with it are plausible, not optimal."""
         return cls.from_link(LinkModel(alpha=5e-6, beta=1 / 5e9, gamma=1 / 10e9),
                              ranks, ranks_per_node)
 

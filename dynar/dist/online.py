@@ -48,8 +48,8 @@ Trials and checks last at least TRIAL_STEPS and CHECK_STEPS steps, and on fast s
 as fill TRIAL_SECONDS and CHECK_SECONDS: four steps of LeNet (0.8 ms each on 2 ranks) are
 too few to tell its candidates apart, and picked the slower one in one of two runs.
 
-Every decision is logged as a JSON event "plan" (phase trial, chosen or steady) with the
-predicted and the measured figure.
+Every decision is logged as a JSON event "plan" (phase "cost model": where the prices came
+from; then trial, chosen and steady, with the predicted and the measured figure).
 """
 import collections
 
@@ -149,8 +149,7 @@ def candidates(sizes_bytes, ready_s, cost, algorithms, bucket_bytes):
         for suffix, pick in pickers.items():
             buckets = tuple(planner.Bucket(b.first, b.stop, pick(sizes[b.first:b.stop].sum()))
                             for b in runs)
-            finish, exposed = planner.simulate(buckets, sizes, ready_s, cost)
-            found[mode + suffix] = planner.Plan(buckets, float(finish[-1]), exposed)
+            found[mode + suffix] = planner.evaluate(buckets, sizes, ready_s, cost)
     unique = {}
     for name, plan in found.items():
         unique.setdefault(plan.buckets, (name, plan))
@@ -171,10 +170,10 @@ class OnlinePlanner:
     sizes_bytes: per-layer gradient bytes (on the wire) in ready order; cost_model(): the
     (CostModel, source), fetched on first use (collective); algorithms: those allowed
     (None: all the cost model has); gather(array) -> every rank's array, one row per rank,
-    identical on every rank (collective); on_event(dict) records decisions."""
+    identical on every rank (collective); on_event(dict) records decisions; bucket_bytes:
+    the bucket size of the "buckets" baseline."""
 
-    def __init__(self, sizes_bytes, cost_model, algorithms, gather, on_event,
-                 bucket_bytes=25 * 2 ** 20):
+    def __init__(self, sizes_bytes, cost_model, algorithms, gather, on_event, bucket_bytes):
         self.sizes = np.asarray(sizes_bytes, np.int64)
         self._cost_model, self._cost = cost_model, None
         self._algorithms = algorithms
@@ -190,9 +189,8 @@ class OnlinePlanner:
         self._trial = []           # [(name, figure)] of the trial's measured steps
         self._plans = {}           # candidate name -> plan
         self.plan = None           # the plan running now (None: the default)
-        self.candidate = None      # its name: planned, fused or buckets
-        self._baseline = None      # the running plan's figure (its trial's until steady)
-        self._steady = False       # whether _baseline is the running plan's own window
+        self.candidate = None      # its name: "planned" or a baseline's, e.g. "fused (mpi)"
+        self._baseline = None      # the running plan's steady figure (None: not yet)
         self._drifted = 0          # consecutive windows off the baseline
         self.step = 0
 
@@ -230,6 +228,9 @@ class OnlinePlanner:
                                         warmup_steps(sync_s))
         self._trial = []
         self._reason = reason
+        # Fresh plans: the first block switches even to a name that runs now (after drift,
+        # "planned" is usually a different plan under the same name).
+        self.candidate = None
         return self._run(self._schedule[0][0])
 
     def _run(self, name):
@@ -257,7 +258,7 @@ class OnlinePlanner:
             self._event("trial", name, plan, figure, steps=names.count(name))
         name, plan, best = _fastest(results)
         self._window, self._skip = [], int(name != self.candidate)
-        self.candidate, self.plan, self._baseline, self._steady = name, plan, best, False
+        self.candidate, self.plan, self._baseline = name, plan, None
         self._event("chosen", name, plan, best, reason=self._reason)
         return plan.buckets
 
@@ -285,8 +286,8 @@ class OnlinePlanner:
         measured = candidate_figures(self._gather(np.array(self._window)),
                                      [self.candidate] * len(self._window))[self.candidate]
         self._window = []
-        if not self._steady:
-            self._baseline, self._steady = measured, True
+        if self._baseline is None:
+            self._baseline = measured
             self._event("steady", self.candidate, self.plan, measured)
             return None
         # Two drifted windows in a row: one slow window is noise (another job, a page-cache

@@ -7,11 +7,11 @@ communication thread reduces the buckets one after another, bucket k starting at
 max(ready time of its last layer, finish of bucket k-1) and taking cost.time(alg_k, bytes_k).
 What the step pays is the *exposed* time: finish of the last bucket minus ready_s[L-1].
 
-`plan()` finds the optimum exactly by dynamic programming over layer prefixes. `fixed_plan()`
-and `predict()` give the same figures for sync.py's fixed baselines, so a run can say in
-advance what each mode would cost. Everything here is a pure function of its inputs: every
-rank passes the same (allreduced) timings and gets the same plan, which keeps the sequence
-of collectives identical on all ranks.
+`plan()` finds the optimum exactly by dynamic programming over layer prefixes; `evaluate()`
+gives any bucket list the same figures (the online trials' baselines), and `fixed_plan()`
+those of sync.py's fixed modes as they run (perf/scale.py's predictions). Everything here
+is a pure function of its inputs: every rank passes the same (allreduced) timings and gets
+the same plan, which keeps the sequence of collectives identical on all ranks.
 """
 from dataclasses import dataclass
 
@@ -19,7 +19,8 @@ import numpy as np
 
 # sync.py's fixed modes (its baselines); "dynamic" is what plan() computes.
 MODES = ("per-layer", "fused", "buckets")
-PREDICT_MODES = MODES + ("dynamic",)
+# The "buckets" mode's bucket size unless told otherwise: PyTorch DDP's bucket_cap_mb.
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,13 @@ def simulate(buckets, sizes_bytes, ready_s, cost):
     return np.array(finish), exposed
 
 
-def static_buckets(sizes_bytes, mode, bucket_bytes=25 * 2 ** 20, algorithm="mpi"):
+def evaluate(buckets, sizes_bytes, ready_s, cost):
+    """The Plan of running `buckets` as simulate() models, with its figures."""
+    finish, exposed = simulate(buckets, sizes_bytes, ready_s, cost)
+    return Plan(tuple(buckets), float(finish[-1]) if len(finish) else 0.0, exposed)
+
+
+def static_buckets(sizes_bytes, mode, bucket_bytes=DEFAULT_BUCKET_BYTES, algorithm="mpi"):
     """The buckets of a fixed sync mode, as layer runs all reduced with `algorithm`:
     "per-layer" one per layer, "fused" one for everything, "buckets" closes a bucket at the
     first layer that brings it to bucket_bytes or more (a layer is never split: its gradient
@@ -193,7 +200,8 @@ def static_buckets(sizes_bytes, mode, bucket_bytes=25 * 2 ** 20, algorithm="mpi"
     return tuple(buckets)
 
 
-def fixed_plan(sizes_bytes, ready_s, cost, mode, bucket_bytes=25 * 2 ** 20, algorithm="mpi"):
+def fixed_plan(sizes_bytes, ready_s, cost, mode, bucket_bytes=DEFAULT_BUCKET_BYTES,
+               algorithm="mpi"):
     """The Plan sync.py's fixed mode `mode` ("per-layer", "fused", "buckets") would run,
     every bucket reduced with `algorithm`, with predicted figures for how that mode runs:
 
@@ -210,32 +218,13 @@ def fixed_plan(sizes_bytes, ready_s, cost, mode, bucket_bytes=25 * 2 ** 20, algo
                  for b in buckets]
         exposed = float(sum(costs))
         return Plan(buckets, float(ready[-1]) + exposed, exposed)
-    finish, exposed = simulate(buckets, sizes, ready, cost)
-    return Plan(buckets, float(finish[-1]), exposed)
+    return evaluate(buckets, sizes, ready, cost)
 
 
-def predict(mode, sizes_bytes, ready_s, cost, bucket_bytes=25 * 2 ** 20, algorithm="mpi"):
-    """Predicted exposed communication (seconds per step) of a sync mode: one of sync.py's
-    fixed modes (see fixed_plan; bucket_bytes and algorithm apply to them) or "dynamic"
-    (plan() over all of cost.algorithms)."""
-    if mode == "dynamic":
-        return plan(sizes_bytes, ready_s, cost).predicted_exposed_s
-    if mode not in MODES:
-        raise ValueError(f"unknown sync mode {mode!r}; choose one of {', '.join(PREDICT_MODES)}")
-    return fixed_plan(sizes_bytes, ready_s, cost, mode, bucket_bytes,
-                      algorithm).predicted_exposed_s
-
-
-def should_replan(predicted_s, measured_s, threshold=0.2):
+def should_replan(predicted_s, measured_s, threshold):
     """True when a measurement has drifted from its prediction by more than `threshold`
-    relative to the prediction: |measured - predicted| > threshold·predicted. Scalars or
-    equal-shape arrays (True if any entry drifted); a prediction of 0 drifts as soon as
-    anything nonzero is measured."""
-    predicted = np.asarray(predicted_s, dtype=np.float64)
-    measured = np.asarray(measured_s, dtype=np.float64)
-    if predicted.shape != measured.shape:
-        raise ValueError(f"predicted_s and measured_s differ in shape: {predicted.shape} "
-                         f"vs {measured.shape}")
+    relative to the prediction: |measured - predicted| > threshold·predicted (a prediction
+    of 0 drifts as soon as anything nonzero is measured)."""
     if threshold <= 0:
         raise ValueError(f"threshold must be positive, got {threshold}")
-    return bool(np.any(np.abs(measured - predicted) > threshold * predicted))
+    return abs(measured_s - predicted_s) > threshold * predicted_s

@@ -23,7 +23,9 @@ AlexNet's 93 MB gradient costs 7-8 ms in 4-25 MB pieces against 25-65 ms for its
 MPI_Iallreduce, whose progress also has to be driven by hand. Where the MPI library offers
 no SERIALIZED support, buckets fall back to MPI_Iallreduce driven by test() calls between
 layers on the training thread (DYNAR_SYNC_PROGRESS=calls forces it, for comparison and
-tests); dynamic mode then plans with the MPI library's algorithm only.
+tests); dynamic mode then plans with the MPI library's algorithm only. Compressed buckets
+(16-bit wire, dynar's ring only) and a node replica's shared buffers have no
+MPI_Iallreduce: without the thread they are all reduced in finish().
 
 With a node replica (dist/node_replica.py: the ranks of a node share parameters and
 gradient buffers), "reducing a bucket" is averaging this rank's part of it over the node's
@@ -94,7 +96,8 @@ class GradientSynchronizer:
     own part of every bucket, and allreduce only that part among nodes; the optimizer must
     then update only the parts node.take_averaged() returns."""
 
-    def __init__(self, model, comm, mode="dynamic", bucket_mb=25.0, compress=None,
+    def __init__(self, model, comm, mode="dynamic",
+                 bucket_mb=planner.DEFAULT_BUCKET_BYTES / 2 ** 20, compress=None,
                  threads=1, on_event=None, tracer=None, tune_dir=None, node=None):
         if mode not in MODES:
             raise ValueError(f"sync: unknown mode {mode!r}; choose one of {', '.join(MODES)}")

@@ -10,6 +10,7 @@ broadcasts, so every rank plans with the identical model.
 """
 import datetime
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -74,8 +75,11 @@ def job_key(collective):
     return key, meta
 
 
-def tune(collective, sizes=FULL_SIZES, repeats=FULL_REPEATS, directory=None, progress=None):
-    """Measure, fit and save (rank 0 writes). Returns (model, path or None, samples)."""
+def tune(collective, sizes=FULL_SIZES, repeats=FULL_REPEATS, directory=None, progress=None,
+         must_save=True):
+    """Measure, fit and save (rank 0 writes). Returns (model, path or None, samples). A file
+    that cannot be written raises OSError on rank 0, or without must_save is reported on
+    stderr and skipped: a training job's brief tune still has its model."""
     key, meta = job_key(collective)
     samples = measure(collective, sizes, repeats, progress=progress)
     model = fit(samples, collective.size, collective.local_size)
@@ -83,7 +87,13 @@ def tune(collective, sizes=FULL_SIZES, repeats=FULL_REPEATS, directory=None, pro
     if collective.rank == 0:
         meta.update(tuned=datetime.datetime.now().isoformat(timespec="seconds"),
                     sizes=list(sizes), repeats=repeats)
-        path = costmodel.save_tuning(model, key, meta, directory)
+        try:
+            path = costmodel.save_tuning(model, key, meta, directory)
+        except OSError as exc:
+            if must_save:
+                raise
+            print(f"dynar: warning: cannot save the tuning file ({exc}); this job uses its "
+                  f"fit unsaved", file=sys.stderr, flush=True)
     return model, path, samples
 
 
@@ -99,12 +109,12 @@ def cost_model_for(collective, max_bytes, directory=None):
         try:
             model = costmodel.load_tuning(key, directory, largest=sizes[-1])
             found = None if model is None else model.to_json()
-        except ValueError as exc:    # a corrupt file is replaced, not fatal
+        except (ValueError, OSError) as exc:    # a corrupt or unreadable file: tune again
             found = {"error": str(exc)}
     found = comm.bcast(found, root=0)
     if found is not None and "error" not in found:
         return costmodel.CostModel.from_json(found), f"tuning file {key}"
-    model, _, _ = tune(collective, sizes, BRIEF_REPEATS, directory)
+    model, _, _ = tune(collective, sizes, BRIEF_REPEATS, directory, must_save=False)
     # Every rank fitted the same samples (maxed over ranks), but take rank 0's to be sure.
     model = costmodel.CostModel.from_json(comm.bcast(model.to_json(), root=0))
     return model, f"brief tune {key}"
