@@ -15,6 +15,7 @@ or int, order kept), {"list": [...]}, {"tuple": [...]}, {"array": "a3"} for an n
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -53,6 +54,28 @@ def save(path, state):
         os.replace(tmp, path)
     except BaseException:
         # Also on KeyboardInterrupt: never leave the half-written temporary behind.
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def link_as_last(path):
+    """Make last.ckpt beside the checkpoint at path the same checkpoint, atomically: a hard
+    link (a copy where the filesystem has none) renamed over it. Serializing the state a
+    second time instead left last.ckpt an epoch behind when interrupted in between."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".last.ckpt.{os.getpid()}.tmp")
+    try:
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, os.path.join(folder, "last.ckpt"))
+    except BaseException:
         try:
             os.unlink(tmp)
         except FileNotFoundError:

@@ -238,6 +238,8 @@ def test_npz_float_with_test_split_and_dir(tmp_path, rng):
     (dict(x=np.zeros((4, 1, 5, 5), np.uint8), y=np.zeros(4, int), x_test=np.zeros((2, 1, 4, 4)),
           y_test=np.zeros(2, int)), "x_test"),
     (dict(x=np.full((4, 1, 5, 5), np.nan), y=np.zeros(4, int)), "NaN"),
+    (dict(x=np.zeros((4, 1, 5, 5), np.uint8), y=np.zeros(4, int),
+          x_test=np.full((2, 1, 5, 5), 0.5), y_test=np.zeros(2, int)), "both as floats"),
 ])
 def test_npz_bad_contents(tmp_path, arrays, words):
     path = tmp_path / "bad.npz"

@@ -69,6 +69,40 @@ def test_epoch_checkpoints_are_written(tmp_path):
     names = sorted(os.listdir(tmp_path))
     assert names == ["epoch_0001.ckpt", "epoch_0002.ckpt", "last.ckpt"], names
     assert checkpoint.load(tmp_path / "epoch_0001.ckpt")["epoch"] == 1
+    # last.ckpt is the newest checkpoint itself, not a second serialization of the state.
+    assert os.path.samefile(tmp_path / "last.ckpt", tmp_path / "epoch_0002.ckpt")
+
+
+SHORT = dict(model="lenet", dataset="synthetic", batch_size=16, max_steps=2, eval_every=0)
+
+
+@pytest.mark.parametrize("change,flag", [
+    (dict(batch_size=32), "--batch-size 16"),
+    (dict(seed=1), "--seed 0"),
+    (dict(lr=0.5), "--lr 0.01"),
+    (dict(schedule="cosine"), "--schedule 'constant'"),
+    (dict(warmup_epochs=1.0), "--warmup-epochs 0"),
+    (dict(epochs=3), "--epochs 20"),
+])
+def test_resume_refuses_other_settings_naming_the_flag(tmp_path, change, flag):
+    train(TrainConfig(checkpoint_dir=str(tmp_path), **SHORT))
+    with pytest.raises(checkpoint.CheckpointError, match=f"saved with {flag},"):
+        train(TrainConfig(resume=str(tmp_path), **dict(SHORT, **change)))
+
+
+def test_resume_takes_the_default_variant_named_or_not(tmp_path):
+    train(TrainConfig(checkpoint_dir=str(tmp_path), **SHORT))
+    done = train(TrainConfig(resume=str(tmp_path), variant="mnist", **dict(SHORT, max_steps=3)))
+    assert done.summary["steps"] == 3
+
+
+def test_the_log_gives_each_step_the_learning_rate_it_used(tmp_path):
+    log = tmp_path / "log.jsonl"
+    train(TrainConfig(schedule="cosine", epochs=1, log=str(log), **dict(SHORT, max_steps=None)))
+    steps = [json.loads(line) for line in log.read_text().splitlines()
+             if json.loads(line)["event"] == "step"]
+    assert steps[0]["lr"] == 0.01                   # cosine starts at the peak
+    assert steps[-1]["lr"] > 0                      # and reaches 0 only after the last step
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -81,6 +115,14 @@ def test_epoch_checkpoints_are_written(tmp_path):
     (["--resume", "/nonexistent-dynar/last.ckpt"], "nonexistent-dynar"),
     (["--dropout", "0.2"], "dropout"),
     (["--batch-size", "5000"], "batch_size"),
+    (["--seed", "-1"], "--seed"),
+    (["--eval-every", "-1"], "--eval-every"),
+    (["--lr", "inf"], "--lr"),
+    (["--warmup-epochs", "inf"], "--warmup-epochs"),
+    (["--num-classes", "5"], "5 outputs"),
+    # Outputs are checked before any training: here /etc/hostname is a file, not a folder.
+    (["--checkpoint-dir", "/etc/hostname/run"], "--checkpoint-dir"),
+    (["--trace", "/etc/hostname/trace.json"], "--trace"),
 ])
 def test_cli_errors_are_one_line_with_non_zero_exit(args, needle):
     out = cli(*args, timeout=120)

@@ -41,6 +41,11 @@ def load(data_dir, seed=0, num_classes=None):
         y_test = _labels(path, "y_test", arrays["y_test"], len(arrays["x_test"]))
         if x_test.shape[1:] != x.shape[1:]:
             raise DataError(f"{path}: x_test samples are {x_test.shape[1:]} but x samples are {x.shape[1:]}")
+        if (x.dtype.kind == "f") != (x_test.dtype.kind == "f"):
+            # Integer pixels are 0..255, floats usually 0..1: converting one to the other
+            # would silently change the test images' scale.
+            raise DataError(f"{path}: x is {x.dtype} but x_test is {x_test.dtype}; give both "
+                            f"as integer pixels or both as floats")
         x_test = x_test.astype(x.dtype, copy=False)
     else:
         if len(x) < 2:

@@ -5,6 +5,7 @@ reports held-out accuracy on 1,000 more. Errors are one line on stderr with a no
 (--debug shows the traceback); under mpiexec a failing rank ends the whole job.
 """
 import argparse
+import math
 import sys
 import traceback
 
@@ -48,15 +49,29 @@ def _positive_int(text):
     return value
 
 
-def _non_negative_float(text):
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _finite_float(text):
     value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _non_negative_float(text):
+    value = _finite_float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def _positive_float(text):
-    value = float(text)
+    value = _finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
@@ -98,12 +113,12 @@ def build_parser():
     a("--threads", type=_positive_int,
       help="compute threads per process (default: OMP_NUM_THREADS or the cores this process "
            "may use; under mpiexec the node's cores divided by its ranks)")
-    a("--seed", type=int, default=0, help="seed of initial weights, shuffling, augmentation")
+    a("--seed", type=_non_negative_int, default=0, help="seed of initial weights, shuffling, augmentation")
     a("--log", metavar="FILE", help="append JSON lines: one per step and epoch, and a summary")
     a("--checkpoint-dir", metavar="DIR",
       help="write a checkpoint after every epoch and at the end (DIR/last.ckpt is the newest)")
     a("--resume", metavar="PATH", help="continue from a checkpoint file or directory")
-    a("--eval-every", type=int, default=1, metavar="N",
+    a("--eval-every", type=_non_negative_int, default=1, metavar="N",
       help="evaluate on the held-out split every N epochs (0: never)")
     a("--sync", choices=["dynamic", "per-layer", "fused", "buckets"], default="dynamic",
       help="gradient synchronization across ranks: dynamic (Dynamic Allreduce: planned "

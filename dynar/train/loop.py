@@ -7,6 +7,7 @@ rank count never changes the math (up to float summation order).
 """
 import dataclasses
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -112,7 +113,8 @@ def _build_data(cfg):
         ds = data.load("synthetic", seed=cfg.seed, model_input_shape=model.input_shape,
                        num_classes=classes)
     else:
-        ds = data.load(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed)
+        ds = data.load(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed,
+                       num_classes=cfg.num_classes)
         classes = cfg.num_classes or ds.num_classes
         model = _build_model(cfg, classes)
         if tuple(ds.input_shape) != tuple(model.input_shape):
@@ -158,6 +160,16 @@ def _fingerprint(cfg, model, loader, sync):
     }
 
 
+# What a resumed run must share with the saved one to continue it: the model, the data and
+# its order, and every hyper-parameter of the optimizer and its schedule. --max-steps,
+# logging, threads and sync may differ.
+_RESUME_SETTINGS = ("model", "input_shape", "num_classes", "dataset", "batch_size", "seed",
+                    "augment", "dropout", "epochs", "lr", "momentum", "weight_decay",
+                    "nesterov", "schedule", "step_epochs", "milestones", "gamma",
+                    "warmup_epochs")
+_SETTING_FLAGS = {"input_shape": "--variant"}
+
+
 def _injected_fault(job, global_step):
     """Test-only switch: DYNAR_FAULT_STEP=k (and DYNAR_FAULT_RANK=r, default 0) makes rank r
     raise at global step k, to check that one failing rank ends the whole job."""
@@ -167,9 +179,25 @@ def _injected_fault(job, global_step):
         raise RuntimeError(f"injected fault at step {global_step} (DYNAR_FAULT_STEP)")
 
 
+def _writable_folder(folder, flag):
+    """Create `folder` if needed and write a file in it: an output that cannot be written is
+    an error before the training, not after it."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot write in {folder} ({exc.strerror or exc})") from None
+
+
 class _Run:
     def __init__(self, cfg, job):
         self.cfg, self.job = cfg, job
+        if job.rank == 0:       # the rank that writes checkpoints and the trace
+            if cfg.checkpoint_dir is not None:
+                _writable_folder(cfg.checkpoint_dir, "--checkpoint-dir")
+            if cfg.trace is not None:
+                _writable_folder(os.path.dirname(os.path.abspath(cfg.trace)), "--trace")
         threads = cfg.threads or (job.default_threads() if job.comm is not None
                                   else kernels.threads.default_num_threads())
         kernels.set_num_threads(threads)
@@ -226,13 +254,18 @@ class _Run:
             for _, buf in self.model.named_buffers():
                 self.job.broadcast(buf)
 
+    def _settings(self):
+        """_RESUME_SETTINGS of this run, as a checkpoint stores them."""
+        values = {key: getattr(self.cfg, key, None) for key in _RESUME_SETTINGS}
+        values.update(input_shape=list(self.model.input_shape), num_classes=self.num_classes,
+                      milestones=list(self.cfg.milestones))
+        return values
+
     def _state(self):
         cfg = self.cfg
         return {
             "format": CHECKPOINT_FORMAT,
-            "config": {"model": cfg.model, "variant": cfg.variant,
-                       "num_classes": self.num_classes, "dataset": cfg.dataset,
-                       "batch_size": cfg.batch_size, "seed": cfg.seed},
+            "config": dict(self._settings(), variant=cfg.variant),
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
             "schedule": self.sched.state_dict() if self.sched else None,
@@ -247,12 +280,15 @@ class _Run:
         state = checkpoint.load(path)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise checkpoint.CheckpointError(f"{path}: not a dynar training checkpoint")
-        saved = state["config"]
-        for key in ("model", "variant", "num_classes"):
-            mine = self.num_classes if key == "num_classes" else getattr(self.cfg, key)
-            if saved[key] != mine:
+        saved, mine = state["config"], self._settings()
+        if "input_shape" not in saved:      # saved before the shape was: compare the flag
+            mine = dict(mine, variant=self.cfg.variant)
+        for key in mine:
+            if key in saved and saved[key] != mine[key]:
+                flag = _SETTING_FLAGS.get(key, "--" + key.replace("_", "-"))
                 raise checkpoint.CheckpointError(
-                    f"{path}: saved for {key}={saved[key]!r}, this run has {key}={mine!r}")
+                    f"{path}: saved with {flag} {saved[key]!r}, this run has {mine[key]!r} "
+                    f"(resuming continues that run: give it the same settings)")
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         if self.sched is not None and state["schedule"] is not None:
@@ -267,10 +303,9 @@ class _Run:
             return
         self._sync_buffers()
         if self.job.rank == 0:
-            os.makedirs(self.cfg.checkpoint_dir, exist_ok=True)
-            state = self._state()
-            checkpoint.save(os.path.join(self.cfg.checkpoint_dir, name), state)
-            checkpoint.save(os.path.join(self.cfg.checkpoint_dir, "last.ckpt"), state)
+            path = os.path.join(self.cfg.checkpoint_dir, name)
+            checkpoint.save(path, self._state())
+            checkpoint.link_as_last(path)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -327,6 +362,7 @@ class _Run:
                 continue
             t_data = time.perf_counter() - t_prev
             _injected_fault(self.job, self.global_step)
+            lr = self.opt.lr                    # the step's own: the schedule moves it after
             loss, timing = self.train_step(x, y)
             self.global_step += 1
             self.step_in_epoch = k + 1
@@ -334,7 +370,7 @@ class _Run:
             t_now = time.perf_counter()
             timing.update(data=t_data, step=t_now - t_prev)
             t_prev = t_now
-            self.report.step(self.epoch, self.global_step, loss, self.opt.lr, timing)
+            self.report.step(self.epoch, self.global_step, loss, lr, timing)
             if self.global_step >= self.total_steps:
                 break
         return losses
