@@ -15,8 +15,8 @@ or int, order kept), {"list": [...]}, {"tuple": [...]}, {"array": "a3"} for an n
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 
 import numpy as np
 
@@ -43,23 +43,13 @@ def save(path, state):
     meta = {"format": FORMAT, "version": VERSION, "sha256": _digest(tree, arrays)}
     members["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
 
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    def write(tmp):
+        with open(tmp, "xb") as f:
             np.savez(f, **members)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Also on KeyboardInterrupt: never leave the half-written temporary behind.
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(folder)
+
+    _replace_atomically(os.fspath(path), write)
 
 
 def link_as_last(path):
@@ -67,15 +57,28 @@ def link_as_last(path):
     link (a copy where the filesystem has none) renamed over it. Serializing the state a
     second time instead left last.ckpt an epoch behind when interrupted in between."""
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".last.ckpt.{os.getpid()}.tmp")
-    try:
+
+    def link(tmp):
         try:
             os.link(path, tmp)
         except OSError:
             shutil.copyfile(path, tmp)
-        os.replace(tmp, os.path.join(folder, "last.ckpt"))
+
+    _replace_atomically(os.path.join(os.path.dirname(os.path.abspath(path)), "last.ckpt"), link)
+
+
+def _replace_atomically(target, fill):
+    """target becomes the file fill(tmp) creates at a fresh hidden name beside it, or stays as
+    it was: the temporary is renamed over target (same filesystem, so atomic) and the folder
+    fsync'ed so the rename survives a crash. If anything fails, the temporary is removed."""
+    folder = os.path.dirname(os.path.abspath(target))
+    tmp = os.path.join(folder, f".{os.path.basename(target)}.{os.getpid()}."
+                               f"{secrets.token_hex(4)}.tmp")
+    try:
+        fill(tmp)
+        os.replace(tmp, target)
     except BaseException:
+        # Also on KeyboardInterrupt: never leave the half-written temporary behind.
         try:
             os.unlink(tmp)
         except FileNotFoundError:

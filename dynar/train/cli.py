@@ -113,7 +113,8 @@ def build_parser():
     a("--threads", type=_positive_int,
       help="compute threads per process (default: OMP_NUM_THREADS or the cores this process "
            "may use; under mpiexec the node's cores divided by its ranks)")
-    a("--seed", type=_non_negative_int, default=0, help="seed of initial weights, shuffling, augmentation")
+    a("--seed", type=_non_negative_int, default=0,
+      help="seed of initial weights, shuffling, augmentation")
     a("--log", metavar="FILE", help="append JSON lines: one per step and epoch, and a summary")
     a("--checkpoint-dir", metavar="DIR",
       help="write a checkpoint after every epoch and at the end (DIR/last.ckpt is the newest)")
