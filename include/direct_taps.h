@@ -40,13 +40,11 @@
 #define DIRECT_JB 3
 #endif
 
-/* Up to how many channel pairs (C_in * C_out) nn.Conv2d prefers these kernels (pyx/direct.pyx,
- * direct_preferred). The BLAS behind im2col picks its kernels for the CPU at run time; these
- * are as wide as the build's flags allow. Measured against it on a Zen 4 (forward + backward,
- * batch 64): built for AVX-512, 1.7-2.7x im2col up to 1024 pairs (32 -> 32 3x3 at 16x16:
- * 1.74x); for AVX2 (-march=haswell), 1.0-1.7x up to 192 (32 -> 32: 0.93x); for SSE2, the
- * x86-64 baseline of portable builds, 0.4-0.8x: never preferred. On aarch64 (NEON, as wide as
- * its BLAS's kernels) the AVX2 bound until measured on hardware. */
+/* Up to how many channel pairs (C_in * C_out) nn.Conv2d prefers these kernels
+ * (dynar/nn/conv_algorithms.py). The BLAS behind im2col picks its kernels for the CPU at run
+ * time; these are as wide as the build's flags allow, so the bound is the build's: by vector
+ * width, measured on a Zen 4 (docs/notes/2026-12-02-kernels.md, "Where each algorithm wins");
+ * aarch64 takes the AVX2 bound until measured on hardware. */
 #if defined(__AVX512F__)
 #define DIRECT_PREFERRED_MAX_PAIRS 1024
 #elif defined(__AVX2__) || defined(__aarch64__)

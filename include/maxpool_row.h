@@ -7,9 +7,8 @@
  * Rows are covered by chunks of a fixed width (16, 8 or 4 outputs), the last chunk shifted
  * left to end at the row's end, overlapping the one before it. A plain vector loop would
  * leave LeNet's rows of 14 and 5 outputs wholly to its scalar remainder, whose branches on
- * random data mispredict half the time (3-4x slower in a training step than in a loop that
- * repeats one call). Each output is a function of the input alone, so computing a few twice
- * changes nothing. */
+ * random data mispredict half the time (docs/notes/2026-12-02-kernels.md, "Max-pool rows").
+ * Each output is a function of the input alone, so computing a few twice changes nothing. */
 #ifndef DYNAR_MAXPOOL_ROW_H
 #define DYNAR_MAXPOOL_ROW_H
 #include <stddef.h>

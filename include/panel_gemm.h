@@ -1,14 +1,12 @@
 /* dynar's own GEMM for products whose left operand is reused call after call: the weights of
- * a convolution, the same for every image of a batch (pyx/conv.pyx, pyx/winograd.pyx).
+ * a convolution, the same for every image of a batch (pyx/im2col.pyx, pyx/winograd.pyx).
  *
  *     c (m, n) = a (m, k) @ b (k, n)  [+ bias[i] on every column of row i], row-major,
  *
  * with `a` packed once into row panels (panel_pack, or written in panel form by its producer)
- * and `b` read in place, unpacked. A BLAS GEMM packs both operands on every call: on ResNet's
- * 64 -> 128 stride-2 layer, one GEMM per image, OpenBLAS spent 15% of the layer packing, the
- * weights once per image (perf record, docs/PERFORMANCE.md). Here the weights are packed once
- * per batch, and `b` (im2col's output, a tile sized to stay in cache) is read straight from
- * where it was written.
+ * and `b` read in place, unpacked, where a BLAS GEMM packs both operands on every call: the
+ * weights are packed once per batch instead of once per image, and `b` (im2col's output, a
+ * tile sized to stay in cache) is read straight from where it was written.
  *
  * Panels: PANEL_ROWS rows of `a` at a time, stored column by column, so the micro-kernel reads
  * one contiguous run per column: a[p * PANEL_ROWS + r][j] is
@@ -19,12 +17,9 @@
  * row j of b. With AVX-512 (32 registers of 16 floats) that is 8 x 3 vectors: 24
  * accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds. The depth goes in passes
  * of at most PANEL_DEPTH: a panel's part (8 x 768 floats, 24 KB) stays in L1 while its pass
- * sweeps the same rows of b, which stay in L2 for the next panel. By hand (one thread of this
- * machine's AMD EPYC: AVX-512, 48 KB L1d, 1 MB L2; packing excluded): 239-255 GF/s on the
- * shapes of ResNet's stride-2 layers and of Winograd's products, where OpenBLAS's sgemm with
- * its packing ran 210-244 and its 2048^3 226-238. Blocks of 12 x 2 and 6 x 4 vectors measured
- * the same within 3%; 16 x 1 and 4 x 6 (fewer independent sums, or more loads per
- * multiply-add) 15-50% slower. */
+ * sweeps the same rows of b, which stay in L2 for the next panel. The block and the depth,
+ * and the speed against OpenBLAS, were measured by hand: docs/notes/2026-12-02-kernels.md,
+ * "The panel GEMM". */
 #ifndef DYNAR_PANEL_GEMM_H
 #define DYNAR_PANEL_GEMM_H
 #include <stddef.h>
@@ -48,10 +43,10 @@
 /* Columns of `a` (rows of `b`) per pass over c: keeps a panel's block in L1, b's in L2. */
 #define PANEL_DEPTH 768
 
-/* Whether im2col and Winograd use these kernels by default (set_panel_gemm overrides).
- * Measured only where the build targets AVX-512. Elsewhere BLAS stays the default until
- * measured: a portable SSE2 build has a quarter of AVX-512's vector width, while OpenBLAS
- * picks its AVX-512 kernels at run time. */
+/* Whether im2col and Winograd use these kernels by default (conv.set_panel_gemm overrides):
+ * only where the build targets AVX-512, where they were measured faster than OpenBLAS, which
+ * picks its AVX-512 kernels at run time whatever the build (docs/notes/2026-12-02-kernels.md,
+ * "The panel GEMM"). */
 #if defined(__AVX512F__)
 #define PANEL_GEMM_PREFERRED 1
 #else

@@ -1,20 +1,18 @@
 /* Loops over blocks of rows of image planes stored at some row stride: the inner loops of
- * im2col and its adjoint col2im (pyx/conv.pyx), and the re-layout of planes between
+ * im2col and its adjoint col2im (pyx/im2col.pyx), and the re-layout of planes between
  * their own width and the padded width the direct convolution reads (pyx/direct.pyx).
  *
- * Per row, these were libc calls (a memcpy and two memsets of a few dozen bytes for im2col)
- * or short Cython loops whose index arithmetic spilled to the stack (col2im): on LeNet's
- * 28- and 10-wide rows, overhead was over half their time. Here they are plain loops the
+ * Rows are a few dozen elements (LeNet's are 28 and 10 wide), too short for a libc call or
+ * for a loop whose index arithmetic spills to the stack. Here they are plain loops the
  * compiler vectorizes; the attribute stops GCC from turning them back into libc calls.
  *
  * Except at stride 2 (ResNet's downsampling layers): there the compiler's vector loop over a
- * 16- or 15-wide row spent most of its time in the scalar remainder and the tests choosing it
- * (unfolding was a sixth of the layer's forward pass), and a loop of fixed length 16 it
- * unrolled into single-element inserts. So stride-2 rows go in whole vectors written with
- * GCC/Clang vector extensions, in chunks of 16, 8 or 4 floats (8, 4, 2 doubles). A vector of
- * W even elements is two loads, the second starting at element W - 1 so nothing past the
- * last element read is touched, and one shuffle: 1.5-1.7x the loops' speed on ResNet's
- * stride-2 rows of 16 and 8 outputs. */
+ * 16- or 15-wide row spends most of its time in the scalar remainder and the tests choosing
+ * it, and a loop of fixed length 16 it unrolls into single-element inserts. So stride-2 rows
+ * go in whole vectors written with GCC/Clang vector extensions, in chunks of 16, 8 or 4
+ * floats (8, 4, 2 doubles). A vector of W even elements is two loads, the second starting at
+ * element W - 1 so nothing past the last element read is touched, and one shuffle. (The
+ * measurements: docs/notes/2026-12-02-kernels.md, "Row loops".) */
 #ifndef DYNAR_PLANE_ROWS_H
 #define DYNAR_PLANE_ROWS_H
 #include <stddef.h>

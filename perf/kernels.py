@@ -4,12 +4,12 @@ For every conv layer shape of LeNet (MNIST) and AlexNet, VGG-16 and ResNet-18 (C
 64: GFLOP/s of dynar's forward and backward (weight + input gradient) next to
 torch.nn.functional.conv2d's with the same thread count, and the float32 GEMM ceiling
 (numpy `a @ b` at 2048^3) measured in the same run. "dynar" is the algorithm nn.Conv2d picks
-(nn.conv.preferred_kernel); every algorithm that supports the layer is timed too (im2col/GEMM
+(nn.conv_algorithms.preferred); every algorithm that supports the layer is timed too (im2col/GEMM
 and the per-tap GEMMs always, the direct kernels at stride 1, Winograd on 3x3 stride 1), which
 is the measurement behind that choice. Every GFLOP/s counts the direct convolution's
 multiply-adds, padding included: Winograd does fewer and the per-tap GEMMs skip the padding,
 so both can exceed the ceiling. Where dynar runs im2col or Winograd, the same kernel is timed
-with its products with the weights on BLAS instead of dynar's panel GEMM (set_panel_gemm), the
+with its products with the weights on BLAS instead of dynar's panel GEMM (conv.set_panel_gemm), the
 benchmark that keeps the panel GEMM in (DESIGN.md: a hand-written kernel must beat BLAS).
 """
 import numpy as np
@@ -55,24 +55,26 @@ ALGORITHMS = {"gemm": "im2col", "winograd": "winograd", "direct": "direct",
               "tapgemm": "tapgemm"}
 
 
-def _on_blas(module, kernel):
-    """kernel() with module's products with the weights on BLAS, the default restored."""
+def _on_blas(kernel):
+    """kernel() with the products with the weights on BLAS, the default restored."""
+    from dynar.kernels import conv
+
     def run():
-        before = module.set_panel_gemm(False)
+        before = conv.set_panel_gemm(False)
         try:
             kernel()
         finally:
-            module.set_panel_gemm(before)
+            conv.set_panel_gemm(before)
     return run
 
 
 def _layer_candidates(torch, C, Co, k, s, p, H, rng):
-    from dynar.kernels import conv, direct, tapgemm, winograd
-    from dynar.nn.conv import preferred_kernel
+    from dynar.kernels import conv
+    from dynar.nn import conv_algorithms
 
     x = rng.standard_normal((BATCH, C, H, H), dtype=np.float32)
     w = rng.standard_normal((Co, C, k, k), dtype=np.float32) / np.float32(np.sqrt(C * k * k))
-    y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, s, p), np.float32)
+    y = np.empty(conv.output_shape(x.shape, w.shape, s, p), np.float32)
     dy = rng.standard_normal(y.shape, dtype=np.float32)
     dx, dw = np.empty_like(x), np.zeros_like(w)
     xt = torch.from_numpy(x).requires_grad_(True)
@@ -85,25 +87,20 @@ def _layer_candidates(torch, C, Co, k, s, p, H, rng):
         torch.autograd.grad(out, (xt, wt), dyt)
 
     candidates = {
-        "im2col_fwd": lambda: conv.conv2d_forward(y, x, w, None, s, p),
         "torch_fwd": lambda: F.conv2d(xt, wt, None, s, p),
-        "im2col_bwd": lambda: conv.conv2d_backward(dx, dw, None, dy, x, w, s, p),
-        "tapgemm_fwd": lambda: tapgemm.tapgemm_forward(y, x, w, None, s, p),
-        "tapgemm_bwd": lambda: tapgemm.tapgemm_backward(dx, dw, None, dy, x, w, s, p),
         # autograd needs the forward graph: time forward+backward, subtract the forward.
         "torch_fwd_bwd": torch_backward,
     }
-    if winograd.winograd_supports(w.shape, s):
-        candidates["winograd_fwd"] = lambda: winograd.winograd_forward(y, x, w, None, p)
-        candidates["winograd_bwd"] = lambda: winograd.winograd_backward(dx, dw, None, dy, x, w, p)
-    if direct.direct_supports(w.shape, s):
-        candidates["direct_fwd"] = lambda: direct.direct_forward(y, x, w, None, p)
-        candidates["direct_bwd"] = lambda: direct.direct_backward(dx, dw, None, dy, x, w, p)
-    algorithm = ALGORITHMS[preferred_kernel(x.shape, w.shape, s, p)]
-    module = {"im2col": conv, "winograd": winograd}.get(algorithm)
-    if module is not None:
+    for name, kernel in conv_algorithms.ALGORITHMS.items():
+        if kernel.supports(w.shape, s, p):
+            candidates[f"{ALGORITHMS[name]}_fwd"] = (
+                lambda kernel=kernel: kernel.forward(y, x, w, None, s, p))
+            candidates[f"{ALGORITHMS[name]}_bwd"] = (
+                lambda kernel=kernel: kernel.backward(dx, dw, None, dy, x, w, s, p))
+    algorithm = ALGORITHMS[conv_algorithms.preferred(x.shape, w.shape, s, p)]
+    if algorithm in ("im2col", "winograd"):
         for pass_ in ("fwd", "bwd"):
-            candidates[f"blas_{pass_}"] = _on_blas(module, candidates[f"{algorithm}_{pass_}"])
+            candidates[f"blas_{pass_}"] = _on_blas(candidates[f"{algorithm}_{pass_}"])
     flops = 2.0 * BATCH * Co * C * k * k * y.shape[2] * y.shape[3]
     return candidates, flops, algorithm
 

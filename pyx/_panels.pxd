@@ -1,10 +1,11 @@
 # A layer's weights as the left operand of its GEMMs: on dynar's panel GEMM
 # (include/panel_gemm.h), packed once per call, or on BLAS, which packs them every call.
 #
-# A kernel module keeps a switch (`set_panel_gemm`, default PANEL_GEMM_PREFERRED), reserves
-# scratch for the panels when it is on, and describes each operand with weights_operand:
-# w (rows, cols) row-major, or its transpose. Without panels (NULL) the products run on BLAS
-# with w itself, so one call site serves both.
+# Whether a call uses the panels is conv.set_panel_gemm's switch (default
+# PANEL_GEMM_PREFERRED), which the call's plan reads; the kernel reserves workspace for the
+# panels when it is on and describes each operand with weights_operand: w (rows, cols)
+# row-major, or its transpose. Without panels (NULL) the products run on BLAS with w itself,
+# so one call site serves both.
 from cython cimport floating
 
 from _blas cimport gemm

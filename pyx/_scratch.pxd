@@ -1,31 +1,38 @@
 # Scratch memory that outlives a kernel call.
 #
-# Kernels that need workspace (conv's im2col tiles and per-thread weight-gradient partials)
-# keep one module-level Scratch and reuse it call after call: a fresh multi-megabyte malloc
-# per call comes back from the OS as new pages that the kernel must zero first, which cost
-# 8% of a VGG training step. The buffer only grows. Take and give run with the GIL held, so
-# `busy` needs no lock; a second Python thread calling while the buffer is in use gets a
-# private malloc instead of waiting.
+# A kernel that needs workspace takes it from a Scratch kept at module level and gives it back
+# before returning, so one buffer serves call after call: a fresh multi-megabyte malloc per
+# call comes back from the OS as new pages that the kernel must fault in and zero first
+# (docs/notes/2026-12-02-kernels.md). The buffer only grows. Take and give run with the GIL
+# held, so `busy` needs no lock; a second Python thread calling while the buffer is in use
+# gets a private allocation instead of waiting.
 #
 # Every workspace allocation is reported to tracemalloc (domain WORKSPACE_DOMAIN, as numpy
 # reports its arrays), so Python's own tools see kernel memory too and a test can show that a
 # steady-state training step allocates nothing.
 from libc.stdint cimport uintptr_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free
+
+cdef extern from "stdlib.h" nogil:
+    int posix_memalign(void** ptr, size_t alignment, size_t size)
 
 cdef extern from "Python.h":
     int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size) nogil
     int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr) nogil
 
-# "dyn" in ASCII: the tracemalloc domain of dynar's kernel workspace.
 cdef enum:
+    # "dyn" in ASCII: the tracemalloc domain of dynar's kernel workspace.
     WORKSPACE_DOMAIN = 0x64796e
+    # Workspace starts on a cache line, so a kernel that lays its buffers out on vector
+    # boundaries from there never has a vector load or store straddle two lines.
+    WORKSPACE_ALIGN = 64
 
 
 cdef inline void* _tracked_malloc(size_t nbytes) noexcept:
-    cdef void* p = malloc(nbytes if nbytes > 0 else 1)
-    if p != NULL:
-        PyTraceMalloc_Track(WORKSPACE_DOMAIN, <uintptr_t> p, nbytes)
+    cdef void* p = NULL
+    if posix_memalign(&p, WORKSPACE_ALIGN, nbytes if nbytes > 0 else 1) != 0:
+        return NULL
+    PyTraceMalloc_Track(WORKSPACE_DOMAIN, <uintptr_t> p, nbytes)
     return p
 
 
@@ -42,7 +49,8 @@ cdef struct Scratch:
 
 
 cdef inline void* scratch_take(Scratch* s, size_t nbytes, bint* private) except NULL:
-    """nbytes of memory; *private tells scratch_give whether it must be freed."""
+    """nbytes of memory starting on a cache line; *private tells scratch_give whether it
+    must be freed."""
     cdef void* p
     if not s.busy:
         if s.size < nbytes:

@@ -42,6 +42,8 @@ cdef inline cnp.ndarray check_array(str name, object arr, int ndim, int typenum,
     if cnp.PyArray_TYPE(a) != typenum:
         raise TypeError(f"{name}: expected dtype {cnp.PyArray_DescrFromType(typenum)}, "
                         f"got {_describe(arr)}")
+    if not cnp.PyArray_ISNOTSWAPPED(a):   # '>f4' has float32's type number too
+        raise TypeError(f"{name}: expected native byte order, got {_describe(arr)}")
     if cnp.PyArray_NDIM(a) != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got {_describe(arr)}")
     if not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a):
@@ -80,7 +82,8 @@ cdef inline object as_int(str name, object value):
 cdef inline double check_real(str name, object value) except? -1:
     """value as a finite float (a Python or numpy real, not bool), else TypeError/ValueError
     naming `name`."""
-    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+    # numpy's bools (np.bool_, a 0-d bool array) convert to float as Python's do.
+    if isinstance(value, (bool, str, bytes)) or getattr(value, "dtype", None) == bool:
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
     try:
         result = float(value)

@@ -1,4 +1,4 @@
-"""Elementwise layers: ReLU, dropout and the residual add, forward and backward.
+"""Elementwise layers: ReLU and dropout, forward and backward, and the residual add.
 
 Arrays have any shape, but all arrays of one call share it and are C-contiguous, so every op
 is a flat loop over n elements. An output may be the very same array as an input of its
@@ -15,10 +15,9 @@ import numbers
 from cython cimport floating
 from cython.parallel cimport prange
 from libc.stdint cimport uint64_t
-from libc.string cimport memcpy
 cimport numpy as cnp
-cimport openmp
 
+from _parallel cimport threads_for
 from _validate cimport F32, FloatKind, as_int, check_array, check_disjoint, check_shape, \
     data, float_kind, float_typenum
 
@@ -38,7 +37,6 @@ cdef enum Op:
     DROPOUT         # mask = keep(seed, i); out = a * mask * scale
     APPLY_MASK      # out = a * mask * scale       (dropout backward)
     ADD             # out = a + b
-    COPY            # out = a
 
 
 cdef struct Mask:
@@ -83,11 +81,9 @@ cdef void _span(Op op, floating* out, const floating* a, const floating* b, Mask
         # A product, not a select: a dropped inf/NaN gives NaN, as x * mask * scale does.
         for i in range(lo, hi):
             out[i] = a[i] * (m.keep[i] * scale)
-    elif op == ADD:
+    else:   # ADD
         for i in range(lo, hi):
             out[i] = a[i] + b[i]
-    else:
-        memcpy(out + lo, a + lo, (hi - lo) * sizeof(floating))
 
 
 cdef void _elementwise(Op op, floating* out, const floating* a, const floating* b, Mask m,
@@ -109,7 +105,7 @@ cdef object _run(FloatKind kind, Op op, object out, object a, object b, Mask m):
     cdef void* ap = data(a)
     cdef void* bp = data(b)
     cdef Py_ssize_t n = cnp.PyArray_SIZE(<cnp.ndarray> out)
-    cdef int threads = openmp.omp_get_max_threads()
+    cdef int threads = threads_for((n + CHUNK - 1) // CHUNK)
     with nogil:
         if kind == F32:
             _elementwise(op, <float*> outp, <float*> ap, <float*> bp, m, n, threads)
@@ -170,7 +166,11 @@ cdef Mask _mask(object keep, object p, uint64_t seed) except *:
     """The dropout mask parameters for keep probability 1 - p, p a real number in [0, 1)."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"p: expected a real number, got {type(p).__name__}")
-    cdef double pf = float(p)
+    cdef double pf
+    try:
+        pf = float(p)
+    except OverflowError:   # an int past the largest double
+        pf = float("inf")
     if not 0 <= pf < 1:
         raise ValueError(f"p: must be in [0, 1), got {p!r}")
     cdef Mask m
@@ -213,9 +213,10 @@ def dropout_backward(dx, dy, mask, p):
     _run(kind, APPLY_MASK, dxa, dya, None, _mask(ma, p, 0))   # seed unused: mask is given
 
 
-def add_forward(y, a, b):
-    """y = a + b elementwise (residual connection); a, b, y: same shape. y may be a or b
-    itself (in place)."""
+def add(y, a, b):
+    """y = a + b elementwise; a, b, y: same shape. y may be a or b itself (in place). A
+    residual connection's forward sum, and in its backward the joining of the gradients of
+    the two branches."""
     cdef FloatKind kind
     aa = _check_first("a", a, &kind)
     ba = _check_like("b", b, aa, float_typenum(kind))
@@ -223,21 +224,3 @@ def add_forward(y, a, b):
     _check_alias("y", ya, "a", aa)
     _check_alias("y", ya, "b", ba)
     _run(kind, ADD, ya, aa, ba, _NO_MASK)
-
-
-def add_backward(da, db, dy):
-    """da = dy and db = dy (the gradient of a sum reaches both summands unchanged); da, db,
-    dy: same shape, overwritten. Either of da, db may be None (not needed) or dy itself."""
-    cdef FloatKind kind
-    dya = _check_first("dy", dy, &kind)
-    outs = []
-    for name, out in (("da", da), ("db", db)):
-        if out is not None:
-            checked = _check_like(name, out, dya, float_typenum(kind), output=True)
-            _check_alias(name, checked, "dy", dya)
-            outs.append(checked)
-    if len(outs) == 2:
-        _check_alias("db", outs[1], "da", outs[0])
-    for out in outs:
-        if cnp.PyArray_DATA(<cnp.ndarray> out) != cnp.PyArray_DATA(dya):
-            _run(kind, COPY, out, dya, None, _NO_MASK)

@@ -15,6 +15,11 @@ Backward, with xhat = (x - mean) invstd:
 Sums run in double and the variance takes a second pass over the centred values: the float32
 one-pass E[x^2] - E[x]^2 loses every digit once |mean| is large against the spread.
 
+Over a batch spread across processes (BatchNorm over the global batch, dynar/nn/batchnorm.py)
+the same per-channel computations run split where the sums are taken, so that the caller can
+add up every process's sums in between: batchnorm2d_sums (each pass of the statistics),
+batchnorm2d_forward_with_statistics, batchnorm2d_gradient_sums, batchnorm2d_input_gradient.
+
 Parallelism: prange over channels. A channel's sums stay in one thread in a fixed order, so
 results are bitwise the same for every thread count.
 """
@@ -24,9 +29,70 @@ from libc.math cimport sqrt
 cimport numpy as cnp
 
 from _parallel cimport threads_for
-from _validate cimport check_real, F32, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
+from _validate cimport check_real, F32, F64, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
 
 cnp.import_array()
+
+
+cdef struct GradientSums:
+    double dy        # sum(dy)
+    double dy_xc     # sum(dy (x - mean)); times invstd it is sum(dy xhat)
+
+
+cdef inline double _channel_sum(const floating* x, Py_ssize_t c, Py_ssize_t N, Py_ssize_t C,
+                                Py_ssize_t HW) noexcept nogil:
+    cdef double acc = 0
+    cdef const floating* xc
+    cdef Py_ssize_t n, i
+    for n in range(N):
+        xc = x + (n * C + c) * HW
+        for i in range(HW):
+            acc = acc + xc[i]
+    return acc
+
+
+cdef inline double _channel_squared_deviations(const floating* x, double mu, Py_ssize_t c,
+                                               Py_ssize_t N, Py_ssize_t C,
+                                               Py_ssize_t HW) noexcept nogil:
+    cdef double acc = 0, dev
+    cdef const floating* xc
+    cdef Py_ssize_t n, i
+    for n in range(N):
+        xc = x + (n * C + c) * HW
+        for i in range(HW):
+            dev = xc[i] - mu
+            acc = acc + dev * dev
+    return acc
+
+
+cdef inline void _channel_batch_statistics(floating* mean, floating* invstd,
+                                           floating* running_mean, floating* running_var,
+                                           double mu, double var, double m, double momentum,
+                                           double eps, Py_ssize_t c) noexcept nogil:
+    """The batch's mean and invstd for normalizing, and the running statistics' update,
+    from the mean and (biased) variance of the channel's m values."""
+    mean[c] = <floating> mu
+    invstd[c] = <floating> (1 / sqrt(var + eps))
+    running_mean[c] = <floating> ((1 - momentum) * running_mean[c] + momentum * mu)
+    running_var[c] = <floating> ((1 - momentum) * running_var[c] + momentum * var * m / (m - 1))
+
+
+cdef inline void _channel_normalize(floating* y, const floating* x, const floating* mean,
+                                    const floating* invstd, const floating* gamma,
+                                    const floating* beta, Py_ssize_t c, Py_ssize_t N,
+                                    Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    # With the rounded mean/invstd that backward will be given.
+    cdef floating mu_c = mean[c]
+    cdef floating scale = invstd[c] * gamma[c]
+    cdef floating shift = beta[c]
+    cdef const floating* xc
+    cdef floating* yc
+    cdef Py_ssize_t n, i
+    for n in range(N):
+        xc = x + (n * C + c) * HW
+        yc = y + (n * C + c) * HW
+        for i in range(HW):
+            yc[i] = (xc[i] - mu_c) * scale + shift
 
 
 cdef void _forward(floating* y, floating* mean, floating* invstd, floating* running_mean,
@@ -35,45 +101,82 @@ cdef void _forward(floating* y, floating* mean, floating* invstd, floating* runn
                    Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """y, x: (N, C, HW); mean, invstd, running_mean, running_var, gamma, beta: (C,)."""
     cdef Py_ssize_t m = N * HW
-    cdef Py_ssize_t c, n, i
-    cdef const floating* xc
-    cdef floating* yc
-    cdef double mu, acc, dev, var
-    cdef floating mu_c, scale, shift
+    cdef Py_ssize_t c
+    cdef double mu, var
     # Parallel over channels: each channel's statistics and outputs are independent of the
-    # others, and each of its sums stays in one thread.
+    # others, and each of its sums stays in one thread (and its values in cache).
     for c in prange(C, schedule="static", num_threads=threads_for(C)):
         if training:
-            acc = 0
-            for n in range(N):
-                xc = x + (n * C + c) * HW
-                for i in range(HW):
-                    acc = acc + xc[i]
-            mu = acc / m
-            acc = 0
-            for n in range(N):
-                xc = x + (n * C + c) * HW
-                for i in range(HW):
-                    dev = xc[i] - mu
-                    acc = acc + dev * dev
-            var = acc / m
-            mean[c] = <floating> mu
-            invstd[c] = <floating> (1 / sqrt(var + eps))
-            running_mean[c] = <floating> ((1 - momentum) * running_mean[c] + momentum * mu)
-            running_var[c] = <floating> ((1 - momentum) * running_var[c]
-                                         + momentum * var * m / (m - 1))
+            mu = _channel_sum(x, c, N, C, HW) / m
+            var = _channel_squared_deviations(x, mu, c, N, C, HW) / m
+            _channel_batch_statistics(mean, invstd, running_mean, running_var, mu, var, m,
+                                      momentum, eps, c)
         else:
             mean[c] = running_mean[c]
             invstd[c] = <floating> (1 / sqrt(running_var[c] + eps))
-        # Normalize with the rounded mean/invstd that backward will be given.
-        mu_c = mean[c]
-        scale = invstd[c] * gamma[c]
-        shift = beta[c]
+        _channel_normalize(y, x, mean, invstd, gamma, beta, c, N, C, HW)
+
+
+cdef void _sums(double* sums, const floating* x, const double* center, Py_ssize_t N,
+                Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    """sums (C,) = the first (center NULL) or the second pass of _forward's statistics."""
+    cdef Py_ssize_t c
+    for c in prange(C, schedule="static", num_threads=threads_for(C)):
+        if center == NULL:
+            sums[c] = _channel_sum(x, c, N, C, HW)
+        else:
+            sums[c] = _channel_squared_deviations(x, center[c], c, N, C, HW)
+
+
+cdef void _forward_with_statistics(floating* y, floating* mean, floating* invstd,
+                                   floating* running_mean, floating* running_var,
+                                   const floating* x, const floating* gamma,
+                                   const floating* beta, const double* batch_mean,
+                                   const double* batch_var, double count, double momentum,
+                                   double eps, Py_ssize_t N, Py_ssize_t C,
+                                   Py_ssize_t HW) noexcept nogil:
+    cdef Py_ssize_t c
+    for c in prange(C, schedule="static", num_threads=threads_for(C)):
+        _channel_batch_statistics(mean, invstd, running_mean, running_var, batch_mean[c],
+                                  batch_var[c], count, momentum, eps, c)
+        _channel_normalize(y, x, mean, invstd, gamma, beta, c, N, C, HW)
+
+
+cdef inline GradientSums _channel_gradient_sums(const floating* dy, const floating* x,
+                                                floating mu_c, Py_ssize_t c, Py_ssize_t N,
+                                                Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    cdef GradientSums s
+    cdef Py_ssize_t n, i, off
+    s.dy = 0
+    s.dy_xc = 0
+    for n in range(N):
+        off = (n * C + c) * HW
+        for i in range(HW):
+            s.dy = s.dy + dy[off + i]
+            s.dy_xc = s.dy_xc + dy[off + i] * <double> (x[off + i] - mu_c)
+    return s
+
+
+cdef inline void _channel_input_gradient(floating* dx, const floating* dy, const floating* x,
+                                         floating mu_c, floating scale, GradientSums s,
+                                         floating invstd_c, double m, bint training,
+                                         Py_ssize_t c, Py_ssize_t N, Py_ssize_t C,
+                                         Py_ssize_t HW) noexcept nogil:
+    cdef Py_ssize_t n, i, off
+    cdef floating mean_dy, xc_coef
+    if training:
+        # dx = scale (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))
+        mean_dy = <floating> (s.dy / m)
+        xc_coef = <floating> (s.dy_xc * invstd_c * invstd_c / m)
         for n in range(N):
-            xc = x + (n * C + c) * HW
-            yc = y + (n * C + c) * HW
+            off = (n * C + c) * HW
             for i in range(HW):
-                yc[i] = (xc[i] - mu_c) * scale + shift
+                dx[off + i] = (dy[off + i] - mean_dy - (x[off + i] - mu_c) * xc_coef) * scale
+    else:
+        for n in range(N):
+            off = (n * C + c) * HW
+            for i in range(HW):
+                dx[off + i] = dy[off + i] * scale
 
 
 cdef void _backward(floating* dx, floating* dgamma, floating* dbeta, const floating* dy,
@@ -81,36 +184,42 @@ cdef void _backward(floating* dx, floating* dgamma, floating* dbeta, const float
                     const floating* invstd, bint training,
                     Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """dx, dy, x: (N, C, HW); dgamma, dbeta, gamma, mean, invstd: (C,)."""
-    cdef Py_ssize_t m = N * HW
-    cdef Py_ssize_t c, n, i, off
-    cdef double sum_dy, sum_dy_xc
-    cdef floating mu_c, scale, mean_dy, xc_coef
+    cdef Py_ssize_t c
+    cdef GradientSums s
     # Parallel over channels, as forward: a channel's sums and its dx slice are its own.
     for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        mu_c = mean[c]
-        sum_dy = 0
-        sum_dy_xc = 0       # sum(dy (x - mean)); times invstd it is sum(dy xhat)
-        for n in range(N):
-            off = (n * C + c) * HW
-            for i in range(HW):
-                sum_dy = sum_dy + dy[off + i]
-                sum_dy_xc = sum_dy_xc + dy[off + i] * <double> (x[off + i] - mu_c)
-        dbeta[c] += <floating> sum_dy
-        dgamma[c] += <floating> (sum_dy_xc * invstd[c])
-        scale = gamma[c] * invstd[c]
-        if training:
-            # dx = scale (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))
-            mean_dy = <floating> (sum_dy / m)
-            xc_coef = <floating> (sum_dy_xc * invstd[c] * invstd[c] / m)
-            for n in range(N):
-                off = (n * C + c) * HW
-                for i in range(HW):
-                    dx[off + i] = (dy[off + i] - mean_dy - (x[off + i] - mu_c) * xc_coef) * scale
-        else:
-            for n in range(N):
-                off = (n * C + c) * HW
-                for i in range(HW):
-                    dx[off + i] = dy[off + i] * scale
+        s = _channel_gradient_sums(dy, x, mean[c], c, N, C, HW)
+        dbeta[c] += <floating> s.dy
+        dgamma[c] += <floating> (s.dy_xc * invstd[c])
+        _channel_input_gradient(dx, dy, x, mean[c], gamma[c] * invstd[c], s, invstd[c],
+                                N * HW, training, c, N, C, HW)
+
+
+cdef void _gradient_sums(double* sums, floating* dgamma, floating* dbeta, const floating* dy,
+                         const floating* x, const floating* mean, const floating* invstd,
+                         Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    """sums (2, C): _backward's per-channel sums, which it also adds to dgamma, dbeta."""
+    cdef Py_ssize_t c
+    cdef GradientSums s
+    for c in prange(C, schedule="static", num_threads=threads_for(C)):
+        s = _channel_gradient_sums(dy, x, mean[c], c, N, C, HW)
+        dbeta[c] += <floating> s.dy
+        dgamma[c] += <floating> (s.dy_xc * invstd[c])
+        sums[c] = s.dy
+        sums[C + c] = s.dy_xc
+
+
+cdef void _input_gradient(floating* dx, const floating* dy, const floating* x,
+                          const floating* gamma, const floating* mean, const floating* invstd,
+                          const double* sums, double count, Py_ssize_t N, Py_ssize_t C,
+                          Py_ssize_t HW) noexcept nogil:
+    cdef Py_ssize_t c
+    cdef GradientSums s
+    for c in prange(C, schedule="static", num_threads=threads_for(C)):
+        s.dy = sums[c]
+        s.dy_xc = sums[C + c]
+        _channel_input_gradient(dx, dy, x, mean[c], gamma[c] * invstd[c], s, invstd[c], count,
+                                True, c, N, C, HW)
 
 
 
@@ -134,6 +243,30 @@ cdef cnp.ndarray _check_channels(str name, object arr, FloatKind kind, Py_ssize_
     return a
 
 
+cdef object _check_momentum_eps(object momentum, object eps, double* c_momentum,
+                               double* c_eps):
+    c_momentum[0] = check_real("momentum", momentum)
+    if not 0 <= c_momentum[0] <= 1:
+        raise ValueError(f"momentum: must be in [0, 1], got {momentum!r}")
+    c_eps[0] = check_real("eps", eps)
+    if c_eps[0] <= 0:
+        raise ValueError(f"eps: must be > 0, got {eps!r}")
+
+
+cdef double _check_count(object count) except -1:
+    cdef double c = check_real("count", count)
+    if not c > 1:
+        raise ValueError(f"count: expected more than 1 value per channel when training, "
+                         f"got {count!r}")
+    return c
+
+
+cdef cnp.ndarray _check_sums(str name, object arr, tuple shape, bint output=False):
+    a = check_float(name, arr, len(shape), F64, output)
+    check_shape(name, a, shape)
+    return a
+
+
 cdef object _check_outputs_disjoint(list outputs, list inputs):
     """No output overlaps an input or another output: kernels read after they write."""
     for k, (out_name, out) in enumerate(outputs):
@@ -153,12 +286,8 @@ def batchnorm2d_forward(y, mean, invstd, x, gamma, beta, running_mean, running_v
     if training and N * HW == 1:
         raise ValueError(f"x: expected more than 1 value per channel when training, "
                          f"got shape {(<object> xa).shape}")
-    cdef double c_momentum = check_real("momentum", momentum)
-    if not 0 <= c_momentum <= 1:
-        raise ValueError(f"momentum: must be in [0, 1], got {momentum!r}")
-    cdef double c_eps = check_real("eps", eps)
-    if c_eps <= 0:
-        raise ValueError(f"eps: must be > 0, got {eps!r}")
+    cdef double c_momentum, c_eps
+    _check_momentum_eps(momentum, eps, &c_momentum, &c_eps)
     ya = check_float("y", y, 4, kind, output=True)
     check_shape("y", ya, (<object> xa).shape)
     meana = _check_channels("mean", mean, kind, C, output=True)
@@ -233,3 +362,148 @@ def batchnorm2d_backward(dx, dgamma, dbeta, dy, x, gamma, mean, invstd, training
             _backward(<double*> dxp, <double*> dgammap, <double*> dbetap, <double*> dyp,
                       <double*> xp, <double*> gammap, <double*> meanp, <double*> invstdp,
                       train, n, c, hw)
+
+
+# -- the same computations split where a training step sums over the batch, for BatchNorm
+# over a batch spread across processes: the caller adds each process's sums up in between.
+
+def batchnorm2d_sums(sums, x, center=None):
+    """sums (C,) float64 = per channel of x (N, C, H, W) the sum over (N, H, W) of x, or
+    given center (C,) float64, of (x - center)^2: the two passes of a training forward's
+    statistics (mean = sum / count, then the biased variance about that mean)."""
+    cdef FloatKind kind
+    xa, N, C, HW = _check_x(x, True, &kind)
+    sumsa = _check_sums("sums", sums, (C,), output=True)
+    centera = None if center is None else _check_sums("center", center, (C,))
+    _check_outputs_disjoint([("sums", sumsa)],
+                            [("x", xa)] + ([] if center is None else [("center", centera)]))
+    cdef double* sp = <double*> data(sumsa)
+    cdef const double* cp = NULL
+    if center is not None:
+        cp = <const double*> data(centera)
+    cdef void* xp = data(xa)
+    cdef Py_ssize_t n = N, c = C, hw = HW
+    with nogil:
+        if kind == F32:
+            _sums(sp, <float*> xp, cp, n, c, hw)
+        else:
+            _sums(sp, <double*> xp, cp, n, c, hw)
+
+
+def batchnorm2d_forward_with_statistics(y, mean, invstd, x, gamma, beta, running_mean,
+                                        running_var, batch_mean, batch_var, count,
+                                        momentum=0.1, eps=1e-5):
+    """batchnorm2d_forward in training, with the batch statistics given: batch_mean and
+    batch_var (C,) float64, the mean and biased variance of `count` values per channel (more
+    than x's own N*H*W when the batch spans processes)."""
+    cdef FloatKind kind
+    xa, N, C, HW = _check_x(x, True, &kind)
+    cdef double c_momentum, c_eps
+    _check_momentum_eps(momentum, eps, &c_momentum, &c_eps)
+    cdef double c_count = _check_count(count)
+    ya = check_float("y", y, 4, kind, output=True)
+    check_shape("y", ya, (<object> xa).shape)
+    meana = _check_channels("mean", mean, kind, C, output=True)
+    invstda = _check_channels("invstd", invstd, kind, C, output=True)
+    gammaa = _check_channels("gamma", gamma, kind, C)
+    betaa = _check_channels("beta", beta, kind, C)
+    rmeana = _check_channels("running_mean", running_mean, kind, C, output=True)
+    rvara = _check_channels("running_var", running_var, kind, C, output=True)
+    bmeana = _check_sums("batch_mean", batch_mean, (C,))
+    bvara = _check_sums("batch_var", batch_var, (C,))
+    _check_outputs_disjoint(
+        [("y", ya), ("mean", meana), ("invstd", invstda), ("running_mean", rmeana),
+         ("running_var", rvara)],
+        [("x", xa), ("gamma", gammaa), ("beta", betaa), ("batch_mean", bmeana),
+         ("batch_var", bvara)])
+    cdef void* yp = data(ya)
+    cdef void* meanp = data(meana)
+    cdef void* invstdp = data(invstda)
+    cdef void* rmeanp = data(rmeana)
+    cdef void* rvarp = data(rvara)
+    cdef void* xp = data(xa)
+    cdef void* gammap = data(gammaa)
+    cdef void* betap = data(betaa)
+    cdef const double* bmp = <const double*> data(bmeana)
+    cdef const double* bvp = <const double*> data(bvara)
+    cdef Py_ssize_t n = N, c = C, hw = HW
+    with nogil:
+        if kind == F32:
+            _forward_with_statistics(<float*> yp, <float*> meanp, <float*> invstdp,
+                                     <float*> rmeanp, <float*> rvarp, <float*> xp,
+                                     <float*> gammap, <float*> betap, bmp, bvp, c_count,
+                                     c_momentum, c_eps, n, c, hw)
+        else:
+            _forward_with_statistics(<double*> yp, <double*> meanp, <double*> invstdp,
+                                     <double*> rmeanp, <double*> rvarp, <double*> xp,
+                                     <double*> gammap, <double*> betap, bmp, bvp, c_count,
+                                     c_momentum, c_eps, n, c, hw)
+
+
+def batchnorm2d_gradient_sums(sums, dgamma, dbeta, dy, x, mean, invstd):
+    """sums (2, C) float64 = per channel sum(dy) and sum(dy (x - mean)) over (N, H, W): the
+    reductions of a training backward; dgamma, dbeta (C,) += the parameter gradients they
+    give for this x (accumulated, as batchnorm2d_backward)."""
+    cdef FloatKind kind
+    xa, N, C, HW = _check_x(x, True, &kind)
+    dya = check_float("dy", dy, 4, kind)
+    check_shape("dy", dya, (<object> xa).shape)
+    sumsa = _check_sums("sums", sums, (2, C), output=True)
+    dgammaa = _check_channels("dgamma", dgamma, kind, C, output=True)
+    dbetaa = _check_channels("dbeta", dbeta, kind, C, output=True)
+    meana = _check_channels("mean", mean, kind, C)
+    invstda = _check_channels("invstd", invstd, kind, C)
+    _check_outputs_disjoint(
+        [("sums", sumsa), ("dgamma", dgammaa), ("dbeta", dbetaa)],
+        [("dy", dya), ("x", xa), ("mean", meana), ("invstd", invstda)])
+    cdef double* sp = <double*> data(sumsa)
+    cdef void* dgammap = data(dgammaa)
+    cdef void* dbetap = data(dbetaa)
+    cdef void* dyp = data(dya)
+    cdef void* xp = data(xa)
+    cdef void* meanp = data(meana)
+    cdef void* invstdp = data(invstda)
+    cdef Py_ssize_t n = N, c = C, hw = HW
+    with nogil:
+        if kind == F32:
+            _gradient_sums(sp, <float*> dgammap, <float*> dbetap, <float*> dyp, <float*> xp,
+                           <float*> meanp, <float*> invstdp, n, c, hw)
+        else:
+            _gradient_sums(sp, <double*> dgammap, <double*> dbetap, <double*> dyp,
+                           <double*> xp, <double*> meanp, <double*> invstdp, n, c, hw)
+
+
+def batchnorm2d_input_gradient(dx, dy, x, gamma, mean, invstd, sums, count):
+    """dx (N, C, H, W) of a training backward, overwritten, from sums (2, C) float64 (as
+    batchnorm2d_gradient_sums gives them, possibly added up over processes) of `count` values
+    per channel."""
+    cdef FloatKind kind
+    xa, N, C, HW = _check_x(x, True, &kind)
+    cdef double c_count = _check_count(count)
+    dya = check_float("dy", dy, 4, kind)
+    check_shape("dy", dya, (<object> xa).shape)
+    dxa = check_float("dx", dx, 4, kind, output=True)
+    check_shape("dx", dxa, (<object> xa).shape)
+    gammaa = _check_channels("gamma", gamma, kind, C)
+    meana = _check_channels("mean", mean, kind, C)
+    invstda = _check_channels("invstd", invstd, kind, C)
+    sumsa = _check_sums("sums", sums, (2, C))
+    _check_outputs_disjoint(
+        [("dx", dxa)],
+        [("dy", dya), ("x", xa), ("gamma", gammaa), ("mean", meana), ("invstd", invstda),
+         ("sums", sumsa)])
+    cdef void* dxp = data(dxa)
+    cdef void* dyp = data(dya)
+    cdef void* xp = data(xa)
+    cdef void* gammap = data(gammaa)
+    cdef void* meanp = data(meana)
+    cdef void* invstdp = data(invstda)
+    cdef const double* sp = <const double*> data(sumsa)
+    cdef Py_ssize_t n = N, c = C, hw = HW
+    with nogil:
+        if kind == F32:
+            _input_gradient(<float*> dxp, <float*> dyp, <float*> xp, <float*> gammap,
+                            <float*> meanp, <float*> invstdp, sp, c_count, n, c, hw)
+        else:
+            _input_gradient(<double*> dxp, <double*> dyp, <double*> xp, <double*> gammap,
+                            <double*> meanp, <double*> invstdp, sp, c_count, n, c, hw)

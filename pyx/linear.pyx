@@ -82,8 +82,10 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 db[o] += acc
 
 
-cdef tuple _check_linear(str bias_name, object x, object w, object b, FloatKind* kind):
-    """x, w and the bias (named bias_name) validated, as (x, w, b, N, in, out)."""
+cdef tuple _check_linear(str bias_name, object x, object w, object b, FloatKind* kind,
+                         bint bias_output=False):
+    """x, w and the bias (named bias_name, written to when bias_output) validated, as
+    (x, w, b, N, in, out)."""
     kind[0] = float_kind("x", x)
     xa = check_float("x", x, 2, kind[0])
     if (<object> xa).size == 0:
@@ -97,7 +99,7 @@ cdef tuple _check_linear(str bias_name, object x, object w, object b, FloatKind*
         raise ValueError(f"w: expects {w_in} input features, x has {In}")
     ba = None
     if b is not None:
-        ba = check_float(bias_name, b, 1, kind[0])
+        ba = check_float(bias_name, b, 1, kind[0], bias_output)
         check_shape(bias_name, ba, (Out,))
     check_blas_dim("linear: batch size", N)
     check_blas_dim("linear: in_features", In)
@@ -134,7 +136,7 @@ def linear_backward(dx, dw, db, dy, x, w):
     dx (N, in) is overwritten (None skips the input gradient, as for a first layer);
     dw (out, in) and db (out,) are accumulated into (+=); db may be None."""
     cdef FloatKind kind
-    xa, wa, dba, N, In, Out = _check_linear("db", x, w, db, &kind)
+    xa, wa, dba, N, In, Out = _check_linear("db", x, w, db, &kind, bias_output=True)
     dya = check_float("dy", dy, 2, kind)
     check_shape("dy", dya, (N, Out))
     dwa = check_float("dw", dw, 2, kind, output=True)

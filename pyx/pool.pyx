@@ -21,8 +21,9 @@ from libc.math cimport INFINITY
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memset
 cimport numpy as cnp
-cimport openmp
 
+from _parallel cimport threads_for
+from _tap_range cimport check_window_fits, window_positions
 from _validate cimport (F32, FloatKind, as_int, check_array, check_disjoint, check_float,
                         check_pair, check_shape, data, float_kind)
 
@@ -168,17 +169,11 @@ cdef void _backward(floating* dx, const floating* dy, const int64_t* argmax, Poo
             _avgpool_plane_backward(dx + plane * in_size, dy + plane * out_size, &s)
 
 
-cdef int _threads(PoolShape s) noexcept:
-    cdef Py_ssize_t planes = s.N * s.C
-    cdef int threads = openmp.omp_get_max_threads()
-    return <int> planes if planes < threads else threads
-
-
 cdef object _run_forward(FloatKind kind, object y, object argmax, object x, PoolShape s):
     cdef void* yp = data(y)
     cdef int64_t* ap = <int64_t*> data(argmax)
     cdef void* xp = data(x)
-    cdef int threads = _threads(s)
+    cdef int threads = threads_for(s.N * s.C)
     with nogil:
         if kind == F32:
             _forward(<float*> yp, ap, <float*> xp, s, threads)
@@ -190,7 +185,7 @@ cdef object _run_backward(FloatKind kind, object dx, object dy, object argmax, P
     cdef void* dxp = data(dx)
     cdef void* dyp = data(dy)
     cdef int64_t* ap = <int64_t*> data(argmax)
-    cdef int threads = _threads(s)
+    cdef int threads = threads_for(s.N * s.C)
     with nogil:
         if kind == F32:
             _backward(<float*> dxp, <float*> dyp, ap, s, threads)
@@ -224,11 +219,9 @@ cdef PoolShape _pool_shape(str x_name, object x_shape, object kernel, object str
     if s.ph > s.kh // 2 or s.pw > s.kw // 2:
         raise ValueError(f"padding: must be at most half the kernel ({s.kh}x{s.kw}), "
                          f"got {padding!r}")
-    if s.kh > s.H + 2 * s.ph or s.kw > s.W + 2 * s.pw:
-        raise ValueError(f"kernel: {s.kh}x{s.kw} is larger than the padded input "
-                         f"{s.H + 2 * s.ph}x{s.W + 2 * s.pw}")
-    s.Ho = (s.H + 2 * s.ph - s.kh) // s.sh + 1
-    s.Wo = (s.W + 2 * s.pw - s.kw) // s.sw + 1
+    check_window_fits("kernel:", s.kh, s.kw, s.H, s.W, s.ph, s.pw)
+    s.Ho = window_positions(s.H, s.kh, s.sh, s.ph)
+    s.Wo = window_positions(s.W, s.kw, s.sw, s.pw)
     return s
 
 

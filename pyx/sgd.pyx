@@ -14,12 +14,16 @@ matches it by passing dampening=0 on the first step.
 
 Parallelism: prange over chunks of CHUNK elements. Every element is updated on its own, so the
 thread count never changes a bit of the result.
+
+`all_finite` is the check that decides whether a step updates at all: a non-finite gradient
+must stop (or skip) the step before it reaches the parameters.
 """
 from cython cimport floating
+from libc.stdint cimport uint32_t, uint64_t
 from cython.parallel cimport prange
 cimport numpy as cnp
-cimport openmp
 
+from _parallel cimport threads_for
 from _validate cimport check_real, F32, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
 
 cnp.import_array()
@@ -34,11 +38,9 @@ cdef void _step(floating* p, floating* buf, const floating* g, Py_ssize_t n, flo
                 bint nesterov) noexcept nogil:
     """p, g: (n,); buf: (n,), or NULL for no momentum; keep = 1 - dampening."""
     cdef Py_ssize_t chunks = (n + CHUNK - 1) // CHUNK
-    cdef int threads = openmp.omp_get_max_threads()
+    cdef int threads = threads_for(chunks)
     cdef Py_ssize_t chunk, lo, hi, i
     cdef floating d
-    if chunks < threads:
-        threads = <int> chunks
     # Parallel over chunks of elements: the update of each element reads and writes only that
     # element. The branches test loop-invariant flags, which the compiler hoists out.
     for chunk in prange(chunks, schedule="static", num_threads=threads):
@@ -105,3 +107,42 @@ def sgd_step(params, grads, momentum_buf, lr, momentum=0.0, weight_decay=0.0, ne
         else:
             _step(<double*> pp, <double*> bp, <double*> gp, n, c_lr, c_momentum,
                   c_weight_decay, 1 - c_dampening, c_nesterov)
+
+
+cdef bint _any_nonfinite(const char* p, Py_ssize_t n, FloatKind kind) noexcept nogil:
+    # A float is inf or NaN exactly when its exponent bits are all ones: an integer test,
+    # which vectorizes (a float reduction would not, without reassociation).
+    cdef Py_ssize_t chunks = (n + CHUNK - 1) // CHUNK
+    cdef int threads = threads_for(chunks)
+    cdef Py_ssize_t chunk, lo, hi, i
+    cdef int bad = 0
+    cdef const uint32_t* u = <const uint32_t*> p
+    cdef const uint64_t* v = <const uint64_t*> p
+    cdef uint32_t found32
+    cdef uint64_t found64
+    for chunk in prange(chunks, schedule="static", num_threads=threads):
+        lo = chunk * CHUNK
+        hi = lo + CHUNK if lo + CHUNK < n else n
+        found32 = 0
+        found64 = 0
+        if kind == F32:
+            for i in range(lo, hi):
+                found32 = found32 | ((u[i] & 0x7f800000u) == 0x7f800000u)
+        else:
+            for i in range(lo, hi):
+                found64 = found64 | ((v[i] & 0x7ff0000000000000u) == 0x7ff0000000000000u)
+        bad += <int> (found32 | found64)
+    return bad != 0
+
+
+def all_finite(x):
+    """Whether every element of `x` (1-D float32/float64, C-contiguous) is finite (not inf,
+    not NaN): one parallel pass at memory speed."""
+    cdef FloatKind kind = float_kind("x", x)
+    xa = check_float("x", x, 1, kind)
+    cdef const char* p = <const char*> data(xa)
+    cdef Py_ssize_t n = (<object> xa).size
+    cdef bint bad
+    with nogil:
+        bad = _any_nonfinite(p, n, kind)
+    return not bad

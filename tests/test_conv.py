@@ -1,10 +1,14 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, settings, strategies as st
 
 from dynar.kernels import conv
+from dynar.kernels import direct, im2col, tapgemm, winograd
 from gradcheck import assert_gradient
-from conftest import at_thread_counts, require_torch
+from support import at_thread_counts, require_torch
+from support.bad_inputs import REFUSED, as_int, float_dtype, is_array, overlap, snapshot, \
+    spoiled_calls
+from conv_checks import weights_gemm  # noqa: F401  (a fixture)
 
 # (N, C_in, H, W, C_out, kh, kw, stride, padding): strides 1 and 2, padding 0/1/2, odd and
 # rectangular sizes, batch 1, non-square kernels, 1x1, and a kernel as large as the input.
@@ -22,13 +26,13 @@ GRAD_CASES = [
 
 
 def _run(x, w, b, stride, padding, dy):
-    y = np.empty(conv.conv2d_output_shape(x.shape, w.shape, stride, padding), x.dtype)
-    conv.conv2d_forward(y, x, w, b, stride, padding)
+    y = np.empty(conv.output_shape(x.shape, w.shape, stride, padding), x.dtype)
+    im2col.forward(y, x, w, b, stride, padding)
     dx = np.full_like(x, np.nan)   # dx is documented as overwritten: stale values must not leak
     dw = np.zeros_like(w)
     db = None if b is None else np.zeros_like(b)
     if dy is not None:
-        conv.conv2d_backward(dx, dw, db, dy, x, w, stride, padding)
+        im2col.backward(dx, dw, db, dy, x, w, stride, padding)
     return y, dx, dw, db
 
 
@@ -38,7 +42,7 @@ def test_conv2d_gradients_match_central_differences(case, weights_gemm, rng):
     x = rng.standard_normal((N, C, H, W))
     w = rng.standard_normal((Co, C, kh, kw))
     b = rng.standard_normal(Co)
-    out_shape = conv.conv2d_output_shape(x.shape, w.shape, stride, padding)
+    out_shape = conv.output_shape(x.shape, w.shape, stride, padding)
     proj = rng.standard_normal(out_shape)
     _, dx, dw, db = _run(x, w, b, stride, padding, proj)
 
@@ -55,9 +59,9 @@ def test_conv2d_backward_accumulates_weight_and_bias_gradients(rng):
     w = rng.standard_normal((4, 3, 3, 3))
     dy = rng.standard_normal((2, 4, 6, 6))
     dw, db = np.ones_like(w), np.ones(4)
-    conv.conv2d_backward(None, dw, db, dy, x, w, 1, 1)
+    im2col.backward(None, dw, db, dy, x, w, 1, 1)
     fresh_dw, fresh_db = np.zeros_like(w), np.zeros(4)
-    conv.conv2d_backward(None, fresh_dw, fresh_db, dy, x, w, 1, 1)
+    im2col.backward(None, fresh_dw, fresh_db, dy, x, w, 1, 1)
     np.testing.assert_allclose(dw, fresh_dw + 1, rtol=1e-12)
     np.testing.assert_allclose(db, fresh_db + 1, rtol=1e-12)
 
@@ -160,45 +164,148 @@ def test_conv2d_errors_name_the_argument():
     w = np.zeros((4, 3, 3, 3), np.float32)
     y = np.zeros((1, 4, 6, 6), np.float32)
     with pytest.raises(TypeError, match="x"):
-        conv.conv2d_forward(y, x.astype(np.int32), w)
+        im2col.forward(y, x.astype(np.int32), w)
     with pytest.raises(TypeError, match="w"):
-        conv.conv2d_forward(y, x, w.astype(np.float64))
+        im2col.forward(y, x, w.astype(np.float64))
     with pytest.raises(ValueError, match="y"):
-        conv.conv2d_forward(np.zeros((1, 4, 8, 8), np.float32), x, w)
+        im2col.forward(np.zeros((1, 4, 8, 8), np.float32), x, w)
     with pytest.raises(ValueError, match="C-contiguous"):
-        conv.conv2d_forward(y, np.asfortranarray(x), w)
+        im2col.forward(y, np.asfortranarray(x), w)
     with pytest.raises(ValueError, match="input channels"):
-        conv.conv2d_forward(y, x, np.zeros((4, 2, 3, 3), np.float32))
+        im2col.forward(y, x, np.zeros((4, 2, 3, 3), np.float32))
     with pytest.raises(ValueError, match="larger than the padded input"):
-        conv.conv2d_forward(y, x, np.zeros((4, 3, 9, 9), np.float32))
+        im2col.forward(y, x, np.zeros((4, 3, 9, 9), np.float32))
     with pytest.raises(ValueError, match="stride"):
-        conv.conv2d_forward(y, x, w, None, 0)
+        im2col.forward(y, x, w, None, 0)
     with pytest.raises(ValueError, match="padding"):
-        conv.conv2d_forward(y, x, w, None, 1, -1)
+        im2col.forward(y, x, w, None, 1, -1)
     with pytest.raises(ValueError, match="overlap"):
-        conv.conv2d_forward(x[:, :3, :6, :6].copy(), x, w[:3])  # fine: disjoint copy
-        conv.conv2d_forward(x.reshape(-1)[:3 * 36].reshape(1, 3, 6, 6), x, w[:3].copy())
+        im2col.forward(x[:, :3, :6, :6].copy(), x, w[:3])  # fine: disjoint copy
+        im2col.forward(x.reshape(-1)[:3 * 36].reshape(1, 3, 6, 6), x, w[:3].copy())
 
 
-arrays = st.one_of(
-    st.none(), st.integers(-3, 3), st.floats(allow_nan=True),
-    st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 9), st.integers(0, 9),
-              st.sampled_from([np.float32, np.float64, np.int64]), st.booleans()).map(
-        lambda t: (np.zeros(t[:4], t[4]) if t[5] else np.zeros(t[:4], t[4])[..., ::-1])),
-    st.lists(st.integers(0, 5), min_size=1, max_size=5).map(lambda s: np.zeros(s, np.float32)),
-)
-params = st.one_of(st.integers(-2, 4), st.tuples(st.integers(-1, 3), st.integers(-1, 3)),
-                   st.none(), st.floats(), st.text(max_size=2), st.booleans())
+# -- bad input ----------------------------------------------------------------------------
+# Every algorithm's entry points are conv.Algorithm's: one set of checks, run here through all
+# four on a 3x3 stride-1 layer, which each of them computes.
+
+def _valid_args(backward, dtype):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 5, 4)).astype(dtype)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(dtype)
+    b = rng.standard_normal(4).astype(dtype)
+    dy = rng.standard_normal((2, 4, 5, 4)).astype(dtype)
+    if backward:
+        return dict(dx=np.zeros_like(x), dw=np.ones_like(w), db=np.ones_like(b), dy=dy, x=x,
+                    w=w, stride=1, padding=1)
+    return dict(y=np.zeros_like(dy), x=x, w=w, b=b, stride=1, padding=1)
+
+
+def _pair(value, minimum):
+    """value as an (h, w) pair of ints >= minimum if the kernels take it for a stride or a
+    padding, else None."""
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2:
+        return None
+    items = tuple(as_int(v) for v in items)
+    if None in items or min(items) < minimum or max(items) > 1 << 40:
+        return None
+    return items
+
+
+def _output_shape(args):
+    """(N, C_out, H_out, W_out) if x, w, stride and padding make a layer, else None: x
+    (N, C_in, H, W) and w (C_out, C_in, kh, kw) non-empty float arrays of one dtype, the
+    kernel within the padded input."""
+    x, w = args["x"], args["w"]
+    dtype = float_dtype(x)
+    stride, padding = _pair(args["stride"], 1), _pair(args["padding"], 0)
+    if not (is_array(x, dtype, ndim=4) and is_array(w, dtype, ndim=4)) \
+            or min(x.shape) < 1 or min(w.shape) < 1 or w.shape[1] != x.shape[1] \
+            or stride is None or padding is None:
+        return None
+    (N, _, H, W), (Co, _, kh, kw) = x.shape, w.shape
+    (sh, sw), (ph, pw) = stride, padding
+    if kh > H + 2 * ph or kw > W + 2 * pw:
+        return None
+    return (N, Co, (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1)
+
+
+def _accepts(algorithm, args):
+    """Whether algorithm.forward/backward must compute `args` (else refuse them), decided
+    from the arguments: a layer the algorithm supports, every other array of x's dtype and
+    its shape, all C-contiguous and aligned; outputs writeable and sharing no memory with
+    another argument; b, dx and db may be None."""
+    out_shape = _output_shape(args)
+    if out_shape is None or not algorithm.supports(args["w"].shape, args["stride"],
+                                                   args["padding"]):
+        return False
+    dtype, Co = args["x"].dtype, out_shape[1]
+    shapes = dict(y=out_shape, dy=out_shape, dx=args["x"].shape, dw=args["w"].shape,
+                  b=(Co,), db=(Co,))
+    optional = {"b", "dx", "db"}
+    written = {"y", "dx", "dw", "db"} & set(args)
+    return all(args[name] is None and name in optional
+               or is_array(args[name], dtype, shapes[name], output=name in written)
+               for name in shapes.keys() & set(args)) and not overlap(args, written)
+
+
+def _taps(x, w, stride, padding):
+    """x zero-padded in float64, and for every tap (i, j) the slices of it that the tap reads
+    at each output pixel."""
+    (sh, sw), (ph, pw) = _pair(stride, 1), _pair(padding, 0)
+    kh, kw = w.shape[2:]
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    Ho, Wo = (xp.shape[2] - kh) // sh + 1, (xp.shape[3] - kw) // sw + 1
+    return xp, {(i, j): (slice(i, i + sh * (Ho - 1) + 1, sh), slice(j, j + sw * (Wo - 1) + 1, sw))
+                for i in range(kh) for j in range(kw)}
+
+
+def _assert_computed(before, args):
+    """The outputs in `args` after the call are those of `before`'s inputs (float64 sums)."""
+    w = before["w"].astype(np.float64)
+    xp, taps = _taps(before["x"], w, before["stride"], before["padding"])
+    tol = dict(rtol=1e-4, atol=1e-4)
+    if "y" in args:
+        y = sum(np.einsum("nchw,oc->nohw", xp[:, :, rows, cols], w[:, :, i, j])
+                for (i, j), (rows, cols) in taps.items())
+        if before["b"] is not None:
+            y = y + before["b"][:, None, None]
+        np.testing.assert_allclose(args["y"], y, **tol)
+        return
+    dy = before["dy"].astype(np.float64)
+    dw, dxp = np.zeros_like(w), np.zeros_like(xp)
+    for (i, j), (rows, cols) in taps.items():
+        dw[:, :, i, j] = np.einsum("nohw,nchw->oc", dy, xp[:, :, rows, cols])
+        dxp[:, :, rows, cols] += np.einsum("nohw,oc->nchw", dy, w[:, :, i, j])
+    np.testing.assert_allclose(args["dw"], before["dw"] + dw, **tol)
+    if args["dx"] is not None:
+        (ph, pw), (H, W) = _pair(before["padding"], 0), before["x"].shape[2:]
+        np.testing.assert_allclose(args["dx"], dxp[:, :, ph:ph + H, pw:pw + W], **tol)
+    if args["db"] is not None:
+        np.testing.assert_allclose(args["db"], before["db"] + dy.sum(axis=(0, 2, 3)), **tol)
+
+
+pairs = st.one_of(st.integers(-2, 4), st.tuples(st.integers(-1, 3), st.integers(-1, 3)),
+                  st.lists(st.integers(0, 2), max_size=3), st.none(), st.floats(),
+                  st.text(max_size=2), st.booleans())
 
 
 @settings(max_examples=300, deadline=None)
-@given(y=arrays, x=arrays, w=arrays, b=arrays, stride=params, padding=params,
-       backward=st.booleans())
-def test_conv2d_bad_input_always_raises_a_python_exception(y, x, w, b, stride, padding, backward):
-    try:
-        if backward:
-            conv.conv2d_backward(y, w, b, y, x, w, stride, padding)
-        else:
-            conv.conv2d_forward(y, x, w, b, stride, padding)
-    except (TypeError, ValueError):
-        pass
+@given(algorithm=st.sampled_from([im2col, winograd, direct, tapgemm]), backward=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64]), data=st.data())
+def test_conv2d_bad_input_always_raises_a_python_exception(algorithm, backward, dtype, data):
+    # A valid call with 1 to 3 arguments replaced: some replacements keep it valid (a copy,
+    # None for an optional argument, a read-only input, padding (1, 1)), the others must be
+    # refused.
+    args = data.draw(spoiled_calls(_valid_args(backward, dtype),
+                                   values=dict(stride=pairs, padding=pairs)))
+    call = algorithm.backward if backward else algorithm.forward
+    before = snapshot(args)
+    if not _accepts(algorithm, args):
+        event("refused")
+        with pytest.raises(REFUSED):
+            call(*args.values())
+        return
+    event("computed")
+    call(*args.values())
+    _assert_computed(before, args)

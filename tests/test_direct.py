@@ -4,8 +4,9 @@ from hypothesis import given, settings, strategies as st
 
 from dynar import nn
 from dynar.kernels import direct
+from dynar.nn import conv_algorithms
 import conv_checks
-from conftest import at_thread_counts, require_torch
+from support import at_thread_counts, require_torch
 
 # (N, C_in, H, W, C_out, kh, kw, padding): LeNet's two layers; 3x3 and 1x1 kernels;
 # rectangular kernels and planes, per-axis padding; a kernel as large as the padded input;
@@ -25,8 +26,7 @@ CASES = [
 
 
 def _direct(x, w, b, padding, dy, with_dx=True):
-    return conv_checks.run(direct.direct_forward, direct.direct_backward, x, w, b, padding,
-                           dy, with_dx)
+    return conv_checks.run(direct, x, w, b, padding, dy, with_dx)
 
 
 def _inputs(rng, case, dtype, bias=True):
@@ -46,8 +46,7 @@ def test_direct_equals_im2col_in_float64(case, rng):
 @pytest.mark.parametrize("case", CASES[2:6])
 def test_direct_gradients_match_central_differences(case, rng):
     x, w, b, padding, _ = _inputs(rng, case, np.float64)
-    conv_checks.assert_gradients_match_central_differences(
-        direct.direct_forward, direct.direct_backward, x, w, b, padding, rng)
+    conv_checks.assert_gradients_match_central_differences(direct, x, w, b, padding, rng)
 
 
 # float32: each output sums C_in*kh*kw products in plain order, like im2col's GEMM.
@@ -59,8 +58,7 @@ F32_TOL = dict(rtol=1e-4, atol=1e-4)
 def test_direct_float32_matches_pytorch(case, rng):
     torch = require_torch()
     x, w, b, padding, dy = _inputs(rng, case, np.float32)
-    conv_checks.assert_float32_matches_pytorch(
-        torch, direct.direct_forward, direct.direct_backward, x, w, b, padding, dy, F32_TOL)
+    conv_checks.assert_float32_matches_pytorch(torch, direct, x, w, b, padding, dy, F32_TOL)
 
 
 def test_direct_without_bias_or_input_gradient(rng):
@@ -97,14 +95,17 @@ def test_direct_rejects_strides_and_bad_arguments():
     x = np.zeros((1, 2, 8, 8), np.float32)
     y = np.zeros((1, 3, 6, 6), np.float32)
     w = np.zeros((3, 2, 3, 3), np.float32)
-    assert not direct.direct_supports(w.shape, 2)
-    assert direct.direct_supports(w.shape, (1, 1))
+    assert not direct.supports(w.shape, 2)
+    assert not direct.supports(w.shape, (1, 2))
+    assert direct.supports(w.shape, (1, 1), 3)
+    with pytest.raises(ValueError, match="direct: needs stride 1"):
+        direct.forward(np.zeros((1, 3, 3, 3), np.float32), x, w, None, 2, 0)
     with pytest.raises(ValueError, match="y: expected shape"):
-        direct.direct_forward(y, x, w, None, 1)
+        direct.forward(y, x, w, None, 1, 1)
     with pytest.raises(TypeError, match="w: expected dtype"):
-        direct.direct_forward(y, x, w.astype(np.float64), None, 0)
+        direct.forward(y, x, w.astype(np.float64), None, 1, 0)
     with pytest.raises(ValueError, match="padding"):
-        direct.direct_backward(None, w.copy(), None, y, x, w, -1)
+        direct.backward(None, w.copy(), None, y, x, w, 1, -1)
     with pytest.raises(ValueError, match="direct needs stride 1"):
         nn.Conv2d(2, 2, 3, stride=2).algorithm = "direct"
 
@@ -120,3 +121,19 @@ def test_direct_equals_im2col_on_any_shape(N, C, H, W, Co, kh, kw, ph, pw):
                    (N, C, H, W, Co, kh, kw, (ph, pw)), np.float64)
     for got, want in zip(_direct(*args), conv_checks.im2col(*args)):
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, preferred", [
+    ((64, 1, 28, 28), (6, 1, 5, 5), 1, 2, True),       # LeNet
+    ((64, 6, 14, 14), (16, 6, 5, 5), 1, 0, True),
+    ((64, 3, 32, 32), (64, 3, 3, 3), 1, 1, True),      # the 3-channel first layers
+    ((64, 16, 8, 8), (16, 16, 3, 3), 1, 1, False),     # 3x3 under 16x16 outputs: Winograd
+    ((64, 64, 32, 32), (64, 64, 3, 3), 1, 1, False),   # too many channel pairs
+    ((64, 3, 32, 32), (64, 3, 3, 3), 2, 1, False),     # stride 2
+])
+def test_direct_preferred_where_measured_faster(x_shape, w_shape, stride, padding, preferred):
+    if preferred and x_shape[1] * w_shape[0] > direct.PREFERRED_MAX_PAIRS:
+        pytest.skip(f"this build prefers the direct kernels up to "
+                    f"{direct.PREFERRED_MAX_PAIRS} channel pairs (its vector width)")
+    chosen = conv_algorithms.preferred(x_shape, w_shape, stride, padding)
+    assert (chosen == "direct") == preferred, chosen

@@ -15,6 +15,7 @@ def _available_bytes():
     return 0
 
 
+@pytest.mark.slow   # ~30 s on 2 cores: filling and reading an 8.6 GB buffer
 @pytest.mark.skipif(_available_bytes() < 12 * 2 ** 30,
                     reason="needs 12 GB of free memory for an 8.6 GB buffer")
 def test_elementwise_and_pooling_reach_past_2_to_the_31():

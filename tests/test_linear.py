@@ -1,10 +1,12 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, note, settings, strategies as st
 
 from dynar.kernels import linear
 from gradcheck import assert_gradient
-from conftest import at_thread_counts, require_torch
+from support import at_thread_counts, require_torch
+from support.bad_inputs import REFUSED, describe, float_dtype, is_array, overlap, snapshot, \
+    spoiled_calls
 
 # (N, in, out, bias): single elements, no bias, and dimensions past the 64-wide GEMM blocks
 # (out = 70 cuts forward and dw into two blocks, in = 66 cuts dx into two).
@@ -137,23 +139,69 @@ def test_linear_errors_name_the_argument():
         linear.linear_backward(None, frozen, None, dy, x, w)
 
 
-arrays = st.one_of(
-    st.none(), st.integers(-3, 3), st.floats(allow_nan=True),
-    st.tuples(st.integers(0, 4), st.integers(0, 4),
-              st.sampled_from([np.float32, np.float64, np.int64]), st.booleans()).map(
-        lambda t: np.zeros(t[:2], t[2]) if t[3] else np.zeros(t[:2], t[2])[:, ::-1]),
-    st.lists(st.integers(0, 4), min_size=1, max_size=3).map(lambda s: np.zeros(s, np.float32)),
-)
+def _valid_args(backward):
+    """A valid float32 call of linear_backward (or linear_forward), every argument by name:
+    N = 2 samples, 3 input and 4 output features, random values."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((2, 3)), rng.standard_normal((4, 3))
+    dy, b = rng.standard_normal((2, 4)), rng.standard_normal(4)
+    if backward:
+        args = dict(dx=np.zeros_like(x), dw=rng.standard_normal(w.shape), db=b, dy=dy, x=x, w=w)
+    else:
+        args = dict(y=np.zeros_like(dy), x=x, w=w, b=b)
+    return {name: value.astype(np.float32) for name, value in args.items()}
+
+
+def _accepts(args):
+    """Whether linear_forward/backward must compute `args` (else refuse them), decided from
+    the arguments: x (N, in) and w (out, in) non-empty float arrays of one dtype, every other
+    array of that dtype and its shape, all C-contiguous and aligned; outputs writeable and
+    sharing no memory with another argument; dx, b and db may be None."""
+    x, w = args["x"], args["w"]
+    dtype = float_dtype(x)
+    if not (is_array(x, dtype, ndim=2) and is_array(w, dtype, ndim=2)) \
+            or x.size == 0 or w.size == 0 or w.shape[1] != x.shape[1]:
+        return False
+    (n, features), outputs = x.shape, w.shape[0]
+    shapes = dict(y=(n, outputs), dx=(n, features), dw=w.shape, b=(outputs,), db=(outputs,),
+                  dy=(n, outputs))
+    optional = {"dx", "b", "db"}
+    written = {"y", "dx", "dw", "db"} & set(args)
+    return all(args[name] is None and name in optional
+               or is_array(args[name], dtype, shapes[name], output=name in written)
+               for name in shapes.keys() & set(args)) and not overlap(args, written)
+
+
+def _assert_computed(before, args):
+    """The outputs in `args` after the call are those of `before`'s inputs (float64 sums)."""
+    x, w = before["x"].astype(np.float64), before["w"].astype(np.float64)
+    tolerance = dict(rtol=1e-5, atol=1e-6)
+    if "y" in args:
+        b = 0 if before["b"] is None else before["b"]
+        np.testing.assert_allclose(args["y"], x @ w.T + b, **tolerance)
+        return
+    dy = before["dy"].astype(np.float64)
+    np.testing.assert_allclose(args["dw"], before["dw"] + dy.T @ x, **tolerance)
+    if args["dx"] is not None:
+        np.testing.assert_allclose(args["dx"], dy @ w, **tolerance)
+    if args["db"] is not None:
+        np.testing.assert_allclose(args["db"], before["db"] + dy.sum(axis=0), **tolerance)
 
 
 @settings(max_examples=300, deadline=None)
-@given(out=arrays, dw=arrays, db=arrays, dy=arrays, x=arrays, w=arrays, backward=st.booleans())
-def test_linear_bad_input_always_raises_a_python_exception(out, dw, db, dy, x, w, backward):
-    # Anything but TypeError/ValueError (a crash, SystemError, IndexError) fails the test.
-    try:
-        if backward:
-            linear.linear_backward(out, dw, db, dy, x, w)
-        else:
-            linear.linear_forward(out, x, w, db)
-    except (TypeError, ValueError):
-        pass
+@given(backward=st.booleans(), data=st.data())
+def test_linear_bad_input_always_raises_a_python_exception(backward, data):
+    # A valid call with 1 to 3 arguments replaced: some replacements keep it valid (a copy,
+    # None for an optional argument, a read-only input), the others must be refused.
+    args = data.draw(spoiled_calls(_valid_args(backward)))
+    note(describe(args))
+    call = linear.linear_backward if backward else linear.linear_forward
+    before = snapshot(args)
+    if not _accepts(args):
+        event("refused")
+        with pytest.raises(REFUSED):
+            call(*args.values())
+        return
+    event("computed")
+    call(*args.values())
+    _assert_computed(before, args)

@@ -1,10 +1,14 @@
+import math
+
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, note, settings, strategies as st
 
 from dynar.kernels import loss as ce
 from gradcheck import assert_gradient
-from conftest import at_thread_counts, require_torch
+from support import at_thread_counts, require_torch
+from support.bad_inputs import REFUSED, as_real, describe, float_dtype, is_array, overlap, \
+    snapshot, spoiled_calls
 
 # (N, K): one class (loss identically 0), one sample, two classes, a wider batch.
 GRAD_CASES = [(6, 1), (1, 7), (4, 2), (3, 5), (8, 10)]
@@ -125,32 +129,81 @@ def test_cross_entropy_errors_name_the_argument():
         ce.softmax_cross_entropy_backward(np.empty_like(probs), probs, labels, float("inf"))
 
 
-matrices = st.one_of(
-    st.none(), st.floats(), st.integers(),
-    st.tuples(st.integers(0, 3), st.integers(0, 4),
-              st.sampled_from([np.float32, np.float64, np.int64]), st.booleans()).map(
-        lambda t: np.zeros(t[:2], t[2]) if t[3] else np.zeros(t[:2], t[2])[:, ::-1]),
-    st.lists(st.integers(0, 3), min_size=1, max_size=3).map(lambda s: np.zeros(s, np.float64)),
-)
-label_arrays = st.one_of(
-    st.none(), st.integers(),
-    st.tuples(st.lists(st.integers(-2 ** 63, 2 ** 63 - 1), max_size=4),
-              st.sampled_from([np.int64, np.int32, np.float64])).map(
-        lambda t: np.array(t[0], np.int64).astype(t[1])),
-    st.lists(st.integers(0, 3), min_size=2, max_size=8).map(lambda v: np.array(v)[::2]),
-)
+N, K = 3, 4   # the valid calls' batch and classes
+
+
+def _valid_args(backward):
+    """A valid float32 call of softmax_cross_entropy_backward (or _forward), every argument
+    by name: N = 3 samples of K = 4 classes, random values."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((N, K)).astype(np.float32)
+    labels = np.array([3, 0, 2], np.int64)
+    if backward:
+        probs = np.exp(rows) / np.exp(rows).sum(axis=1, keepdims=True)
+        return dict(dlogits=np.zeros_like(rows), probs=probs, labels=labels, scale=2.0)
+    return dict(probs=np.zeros_like(rows), logits=rows, labels=labels)
+
+
+# Labels of the right shape, some outside [0, K); the extremes of int64 as well.
+label_values = st.lists(st.one_of(st.integers(-1, K), st.sampled_from([-2 ** 63, 2 ** 63 - 1])),
+                        min_size=N, max_size=N).map(lambda v: np.array(v, np.int64))
+
+
+def _accepts(args):
+    """Whether softmax_cross_entropy_forward/backward must compute `args` (else refuse them),
+    decided from the arguments: logits (forward) or probs (backward) a non-empty (N, K) float
+    array; labels int64 (N,) each in [0, K); the output of the same dtype and shape, writeable
+    and sharing no memory with another argument; scale (backward) a finite real."""
+    rows = args["logits"] if "logits" in args else args["probs"]
+    dtype, output = float_dtype(rows), "probs" if "logits" in args else "dlogits"
+    if not is_array(rows, dtype, ndim=2) or rows.size == 0:
+        return False
+    n, k = rows.shape
+    labels = args["labels"]
+    if not is_array(labels, np.int64, (n,)) or not ((0 <= labels) & (labels < k)).all():
+        return False
+    if "scale" in args:
+        scale = as_real(args["scale"])
+        if scale is None or not math.isfinite(scale):
+            return False
+    return is_array(args[output], dtype, (n, k), output=True) and not overlap(args, [output])
+
+
+def _assert_computed(before, args, loss):
+    """The outputs after the call (`args`, and the loss returned) are those of `before`'s
+    inputs: softmax and mean cross-entropy forward, (probs - onehot) * scale / N backward."""
+    labels = before["labels"]
+    if "logits" in args:
+        logits = before["logits"].astype(np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        np.testing.assert_allclose(args["probs"], np.exp(log_probs), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(loss, -log_probs[np.arange(len(labels)), labels].mean(),
+                                   rtol=1e-5)
+        return
+    probs = before["probs"]
+    onehot = np.eye(probs.shape[1], dtype=probs.dtype)[labels]
+    # scale / N rounded to the probabilities' precision, as the kernel does (a tiny scale
+    # becomes 0 in float32).
+    coef = probs.dtype.type(as_real(args["scale"]) / len(labels))
+    np.testing.assert_allclose(args["dlogits"], (probs - onehot) * coef, rtol=1e-6)
 
 
 @settings(max_examples=300, deadline=None)
-@given(out=matrices, inp=matrices, labels=label_arrays,
-       scale=st.one_of(st.floats(), st.integers(), st.none()), backward=st.booleans())
-def test_cross_entropy_bad_input_always_raises_a_python_exception(out, inp, labels, scale,
-                                                                  backward):
-    # Anything but TypeError/ValueError (a crash, SystemError, OverflowError) fails the test.
-    try:
-        if backward:
-            ce.softmax_cross_entropy_backward(out, inp, labels, scale)
-        else:
-            ce.softmax_cross_entropy_forward(out, inp, labels)
-    except (TypeError, ValueError):
-        pass
+@given(backward=st.booleans(), data=st.data())
+def test_cross_entropy_bad_input_always_raises_a_python_exception(backward, data):
+    # A valid call with 1 to 3 arguments replaced: some replacements keep it valid (a copy,
+    # labels in range, a read-only input, another scale), the others must be refused.
+    args = data.draw(spoiled_calls(_valid_args(backward),
+                                   values={"labels": label_values, "scale": st.floats(-10, 10)}))
+    note(describe(args))
+    call = ce.softmax_cross_entropy_backward if backward else ce.softmax_cross_entropy_forward
+    before = snapshot(args)
+    if not _accepts(args):
+        event("refused")
+        with pytest.raises(REFUSED):
+            call(*args.values())
+        return
+    event("computed")
+    loss = call(*args.values())
+    _assert_computed(before, args, loss)

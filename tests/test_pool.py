@@ -1,10 +1,12 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, note, settings, strategies as st
 
 from dynar.kernels import pool
 from gradcheck import assert_gradient
-from conftest import assert_zero_sizes_rejected, at_thread_counts, require_torch
+from support import assert_zero_sizes_rejected, at_thread_counts, require_torch
+from support.bad_inputs import REFUSED, as_int, describe, float_dtype, is_array, overlap, \
+    snapshot, spoiled_calls
 
 # (N, C, H, W, kernel, stride, padding): stride = kernel (None), 1 and 2, padding 0/1/2, odd
 # and rectangular inputs, batch 1, non-square kernels, overlapping windows, a kernel as large
@@ -228,22 +230,27 @@ def test_pool_with_huge_kernel_and_padding_stays_in_bounds():
     np.testing.assert_allclose(dx, 2.0 ** -80, rtol=1e-15)
 
 
-def _valid_args(op):
-    """A valid float32 call of entry point `op`: its arrays by name, then its other arguments
-    (kernel, stride, padding)."""
-    x = np.zeros((2, 3, 6, 5), np.float32)
-    out = np.zeros((2, 3, 3, 2), np.float32)
+def _valid_args(op, rng=None):
+    """A valid float32 call of entry point `op`: its arrays by name (random values if a
+    generator is given, else zeros; argmax in range), then its other arguments (kernel,
+    stride, padding)."""
+    def array(*shape):
+        return np.zeros(shape, np.float32) if rng is None else \
+            rng.standard_normal(shape).astype(np.float32)
+
+    x, out = array(2, 3, 6, 5), array(2, 3, 3, 2)
+    argmax = np.zeros(out.shape, np.int64) if rng is None else rng.integers(0, 30, out.shape)
     if op == "maxpool2d_forward":
-        return dict(y=out, argmax=np.zeros(out.shape, np.int64), x=x), (2, None, 0)
+        return dict(y=out, argmax=argmax, x=x), (2, None, 0)
     if op == "maxpool2d_backward":
-        return dict(dx=x, dy=out, argmax=np.zeros(out.shape, np.int64)), ()
+        return dict(dx=x, dy=out, argmax=argmax), ()
     if op == "avgpool2d_forward":
         return dict(y=out, x=x), (2, None, 0)
     if op == "avgpool2d_backward":
         return dict(dx=x, dy=out), (2, None, 0)
     if op == "global_avgpool_forward":
-        return dict(y=np.zeros((2, 3), np.float32), x=x), ()
-    return dict(dx=x, dy=np.zeros((2, 3), np.float32)), ()
+        return dict(y=array(2, 3), x=x), ()
+    return dict(dx=x, dy=array(2, 3)), ()
 
 
 ENTRY_POINTS = ["maxpool2d_forward", "maxpool2d_backward", "avgpool2d_forward",
@@ -294,32 +301,171 @@ def test_maxpool2d_backward_refuses_out_of_range_argmax_before_writing(bad):
     assert (dx == 7.0).all()
 
 
-bad_values = st.one_of(
-    st.none(), st.integers(-3, 3), st.integers(2 ** 40, 2 ** 70), st.floats(allow_nan=True),
-    st.text(max_size=2), st.booleans(),
-    st.tuples(st.integers(-1, 3), st.integers(-1, 3)),
-    st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(0, 9), st.integers(0, 9),
-              st.sampled_from([np.float32, np.float64, np.int64, np.int32, np.uint8]),
-              st.booleans()).map(
-        lambda t: np.zeros(t[:4], t[4]) if t[5] else np.zeros(t[:4], t[4])[..., ::-1]),
-    st.lists(st.integers(0, 5), max_size=5).map(lambda s: np.zeros(s, np.float32)),
-    st.lists(st.integers(-5, 40), min_size=1, max_size=8).map(
-        lambda v: np.array(v, np.int64).reshape(-1, 1, 1, 1)),   # argmax-like, out of range
-)
+def _pair(value, minimum):
+    """An int or (h, w) pair as pool2d_output_shape takes kernel, stride and padding, else
+    None: ints >= minimum, and at most 2^40."""
+    items = value if isinstance(value, (tuple, list)) else (value, value)
+    items = [as_int(v) for v in items] if len(items) == 2 else [None]
+    if None in items or min(items) < minimum or max(items) > 2 ** 40:
+        return None
+    return tuple(items)
+
+
+def _geometry(x_shape, kernel, stride, padding):
+    """(N, C, H_out, W_out) for pooling x_shape by kernel, stride, padding, or None where
+    pool2d_output_shape must refuse them: x_shape 4 ints in [1, 2^40], the kernel within the
+    padded input, padding at most half the kernel (PyTorch's rules)."""
+    try:
+        dims = [as_int(d) for d in x_shape]
+    except TypeError:    # not iterable
+        return None
+    if len(dims) != 4 or None in dims or not all(1 <= d <= 2 ** 40 for d in dims):
+        return None
+    k = _pair(kernel, 1)
+    s = k if stride is None else _pair(stride, 1)
+    p = _pair(padding, 0)
+    if None in (k, s, p):
+        return None
+    (n, c, h, w), (kh, kw), (sh, sw), (ph, pw) = dims, k, s, p
+    if ph > kh // 2 or pw > kw // 2 or kh > h + 2 * ph or kw > w + 2 * pw:
+        return None
+    return n, c, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+
+
+def _accepts(op, args):
+    """Whether `op` must compute `args` (else refuse them), decided from the arguments: the
+    float arrays of one dtype, 4-D (N, C, H, W) with every dimension >= 1 or (N, C) for
+    global pooling's, C-contiguous and aligned; geometry as _geometry, the output of its
+    shape; argmax int64 of the output's shape, in [0, H*W) where it is read; outputs
+    writeable and sharing no memory with another argument."""
+    if op == "pool2d_output_shape":
+        return _geometry(*args.values()) is not None
+    first = args["x"] if "forward" in op else args["dy"]
+    dtype = float_dtype(first)
+    ndim = 2 if op == "global_avgpool_backward" else 4
+    if not is_array(first, dtype, ndim=ndim) or first.size == 0:
+        return False
+    written = ["y", "argmax"] if op == "maxpool2d_forward" else ["y" if "forward" in op else "dx"]
+    if "backward" in op:
+        dx = args["dx"]
+        if not is_array(dx, dtype, ndim=4, output=True) or dx.size == 0:
+            return False
+    if op == "maxpool2d_forward" or op == "avgpool2d_forward":
+        out = _geometry(first.shape, args["kernel"], args["stride"], args["padding"])
+        shapes = dict(y=out, argmax=out) if op == "maxpool2d_forward" else dict(y=out)
+    elif op == "avgpool2d_backward":
+        shapes = dict(dy=_geometry(dx.shape, args["kernel"], args["stride"], args["padding"]))
+    elif op == "maxpool2d_backward":
+        n, c, h, w = dx.shape
+        argmax = args["argmax"]
+        if (n, c) != first.shape[:2] or not is_array(argmax, np.int64, first.shape) \
+                or not ((0 <= argmax) & (argmax < h * w)).all():
+            return False
+        shapes = {}
+    elif op == "global_avgpool_forward":
+        shapes = dict(y=first.shape[:2])
+    else:
+        shapes = dict(dy=dx.shape[:2])
+    if None in shapes.values():
+        return False
+    types = dict(argmax=np.int64)
+    return all(is_array(args[name], types.get(name, dtype), shape, output=name in written)
+               for name, shape in shapes.items()) and not overlap(args, written)
+
+
+def _planes(x):
+    return x.reshape(-1, x.shape[2], x.shape[3])
+
+
+def _windows(h, w, geometry, kernel, stride, padding):
+    """For each output position (i, j): the flat input indices h * W + w of its window that
+    lie inside the input, in row-major order."""
+    (kh, kw), (ph, pw) = _pair(kernel, 1), _pair(padding, 0)
+    sh, sw = (kh, kw) if stride is None else _pair(stride, 1)
+    for i in range(geometry[2]):
+        for j in range(geometry[3]):
+            rows = [r for r in range(i * sh - ph, i * sh - ph + kh) if 0 <= r < h]
+            cols = [c for c in range(j * sw - pw, j * sw - pw + kw) if 0 <= c < w]
+            yield i, j, [r * w + c for r in rows for c in cols], kh * kw
+
+
+def _assert_computed(op, before, args, result):
+    """The outputs after the call (`args`, and the result returned) are those of `before`'s
+    inputs, by the definitions of pooling, one window at a time in float64."""
+    if op == "pool2d_output_shape":
+        assert result == _geometry(*args.values())
+        return
+    pooling = {name: args[name] for name in ("kernel", "stride", "padding") if name in args}
+    if op in ("maxpool2d_forward", "avgpool2d_forward"):
+        x = before["x"].astype(np.float64)
+        want = np.zeros(args["y"].shape)
+        argmax = np.zeros(args["y"].shape, np.int64)
+        for plane, values in enumerate(_planes(x)):
+            flat = values.reshape(-1)
+            for i, j, window, area in _windows(*x.shape[2:], want.shape, **pooling):
+                if op == "maxpool2d_forward":
+                    best = window[int(np.argmax(flat[window]))]   # the first of equal maxima
+                    _planes(want)[plane, i, j], _planes(argmax)[plane, i, j] = flat[best], best
+                else:
+                    _planes(want)[plane, i, j] = flat[window].sum() / area
+        np.testing.assert_allclose(args["y"], want, rtol=1e-6)
+        if op == "maxpool2d_forward":
+            np.testing.assert_array_equal(args["argmax"], argmax)
+    elif op in ("maxpool2d_backward", "avgpool2d_backward"):
+        dy = before["dy"].astype(np.float64)
+        want = np.zeros(args["dx"].shape)
+        for plane, grads in enumerate(_planes(dy)):
+            flat = _planes(want)[plane].reshape(-1)
+            if op == "maxpool2d_backward":
+                np.add.at(flat, _planes(before["argmax"])[plane].reshape(-1), grads.reshape(-1))
+                continue
+            for i, j, window, area in _windows(*want.shape[2:], dy.shape, **pooling):
+                flat[window] += grads[i, j] / area
+        np.testing.assert_allclose(args["dx"], want, rtol=1e-5, atol=1e-6)
+    elif op == "global_avgpool_forward":
+        np.testing.assert_allclose(args["y"], before["x"].astype(np.float64).mean(axis=(2, 3)),
+                                   rtol=1e-5, atol=1e-6)
+    else:
+        h, w = args["dx"].shape[2:]
+        want = np.broadcast_to(before["dy"][:, :, None, None] / (h * w), args["dx"].shape)
+        np.testing.assert_allclose(args["dx"], want, rtol=1e-6)
+
+
+pair_values = st.one_of(st.integers(-1, 4), st.tuples(st.integers(-1, 4), st.integers(-1, 4)),
+                        st.lists(st.integers(0, 3), max_size=3))
+
+
+@st.composite
+def argmax_values(draw):
+    """The valid call's argmax with one value replaced, often outside [0, H*W) = [0, 30)."""
+    argmax = _valid_args("maxpool2d_backward", np.random.default_rng(0))[0]["argmax"].copy()
+    argmax.reshape(-1)[draw(st.integers(0, argmax.size - 1))] = \
+        draw(st.one_of(st.integers(-2, 31), st.sampled_from([-2 ** 63, 2 ** 63 - 1])))
+    return argmax
 
 
 @settings(max_examples=400, deadline=None)
 @given(op=st.sampled_from(ENTRY_POINTS + ["pool2d_output_shape"]), data=st.data())
 def test_pool_bad_input_always_raises_a_python_exception(op, data):
+    # A valid call with 1 to 3 arguments replaced: some replacements keep it valid (a copy,
+    # another kernel, stride or padding that fits, argmax in range), the others must be
+    # refused.
     if op == "pool2d_output_shape":
-        args = [(2, 3, 6, 5), 2, None, 0]
+        valid = dict(x_shape=(2, 3, 6, 5), kernel=2, stride=None, padding=0)
     else:
-        arrays, rest = _valid_args(op)
-        args = list(arrays.values()) + list(rest)
-    # Start from a valid call so that each check is reached, then spoil 1 to 3 arguments.
-    for i in data.draw(st.lists(st.integers(0, len(args) - 1), min_size=1, max_size=3)):
-        args[i] = data.draw(bad_values)
-    try:
-        getattr(pool, op)(*args)
-    except (TypeError, ValueError):
-        pass
+        arrays, rest = _valid_args(op, np.random.default_rng(0))
+        valid = dict(arrays, **dict(zip(("kernel", "stride", "padding"), rest)))
+    shapes = st.lists(st.integers(0, 7), min_size=3, max_size=5)
+    args = data.draw(spoiled_calls(valid, values=dict(
+        kernel=pair_values, stride=pair_values, padding=pair_values, argmax=argmax_values(),
+        x_shape=st.one_of(shapes.map(tuple), shapes.map(np.array)))))
+    note(describe(args))
+    before = snapshot(args)
+    if not _accepts(op, args):
+        event("refused")
+        with pytest.raises(REFUSED):
+            getattr(pool, op)(*args.values())
+        return
+    event("computed")
+    result = getattr(pool, op)(*args.values())
+    _assert_computed(op, before, args, result)

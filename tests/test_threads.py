@@ -58,3 +58,58 @@ def test_flush_denormals_turns_subnormals_into_zero():
         threads.set_flush_denormals(False)
     assert not threads.flush_denormals_enabled()
     assert (tiny * np.float32(1.0))[0] != 0.0
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK")
+
+
+@pytest.mark.parametrize("env, ranks_on_node, expected", [
+    ({"OMP_NUM_THREADS": "1", "SLURM_CPUS_PER_TASK": "2"}, 1, (1, "OMP_NUM_THREADS=1")),
+    ({"OMP_NUM_THREADS": "1,4"}, 2, (1, "OMP_NUM_THREADS=1")),      # OpenMP's nested form
+    ({"SLURM_CPUS_PER_TASK": "1"}, 1, (1, "SLURM_CPUS_PER_TASK=1")),
+    ({"OMP_NUM_THREADS": ""}, 1, None),                            # empty is unset
+    ({}, 2, None)])
+def test_job_threads_come_from_the_launcher_else_the_node_share(monkeypatch, env,
+                                                                ranks_on_node, expected):
+    from dynar.dist.job import Job
+    for name in THREAD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    job = Job()
+    job.local_size = ranks_on_node
+    cores, allowed = os.cpu_count(), len(os.sched_getaffinity(0))
+    if expected is None:
+        share = max(1, cores // ranks_on_node)
+        expected = (share, f"{cores} cores / {ranks_on_node} rank(s) on this node") \
+            if share <= allowed else (allowed, f"the {allowed} CPU(s) this rank is bound to")
+    assert job.default_threads() == expected
+
+
+def test_job_threads_never_exceed_the_cpus_a_rank_may_run_on(monkeypatch):
+    from dynar.dist.job import Job
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    allowed = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(allowed + 3))
+    assert Job().default_threads() == (
+        allowed, f"SLURM_CPUS_PER_TASK={allowed + 3}, capped to the {allowed} CPU(s) this "
+                 f"rank may run on")
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-2", "2.5"])
+def test_job_threads_refuse_a_malformed_setting(monkeypatch, value):
+    from dynar.dist.job import Job
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", value)
+    with pytest.raises(ValueError, match=f"SLURM_CPUS_PER_TASK='{value}': expected a whole"):
+        Job().default_threads()
+
+
+def test_start_line_says_where_the_thread_count_came_from():
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV}
+    env["SLURM_CPUS_PER_TASK"] = "1"
+    out = subprocess.run([sys.executable, "-m", "dynar.train", "--max-steps", "1",
+                          "--eval-every", "0"], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "1 rank(s) x 1 thread(s) (SLURM_CPUS_PER_TASK=1)" in out.stdout

@@ -4,8 +4,10 @@ from hypothesis import given, settings, strategies as st
 
 from dynar import nn
 from dynar.kernels import winograd
+from dynar.nn import conv_algorithms
 import conv_checks
-from conftest import at_thread_counts, require_torch
+from support import at_thread_counts, require_torch
+from conv_checks import weights_gemm  # noqa: F401  (a fixture)
 
 # (N, C_in, H, W, C_out, padding): odd and even planes (partial last tiles), rectangular,
 # padding 0/1/2 and per-axis, a 1x1 image with padding, one channel, several images per
@@ -30,8 +32,7 @@ LANE_CASES = CASES[-3:]
 
 
 def _winograd(x, w, b, padding, dy, with_dx=True):
-    return conv_checks.run(winograd.winograd_forward, winograd.winograd_backward, x, w, b,
-                           padding, dy, with_dx)
+    return conv_checks.run(winograd, x, w, b, padding, dy, with_dx)
 
 
 _im2col = conv_checks.im2col
@@ -53,8 +54,7 @@ def test_winograd_equals_im2col_in_float64(case, weights_gemm, rng):
 @pytest.mark.parametrize("case", CASES[:5] + LANE_CASES[:1])
 def test_winograd_gradients_match_central_differences(case, rng):
     x, w, b, padding, _ = _inputs(rng, case, np.float64)
-    conv_checks.assert_gradients_match_central_differences(
-        winograd.winograd_forward, winograd.winograd_backward, x, w, b, padding, rng)
+    conv_checks.assert_gradients_match_central_differences(winograd, x, w, b, padding, rng)
 
 
 # float32 tolerance: F(2x2, 3x3)'s transforms add up to 4 terms before and after the
@@ -68,8 +68,7 @@ F32_TOL = dict(rtol=1e-4, atol=1e-4)
 def test_winograd_float32_matches_pytorch(case, weights_gemm, rng):
     torch = require_torch()
     x, w, b, padding, dy = _inputs(rng, case, np.float32)
-    conv_checks.assert_float32_matches_pytorch(
-        torch, winograd.winograd_forward, winograd.winograd_backward, x, w, b, padding, dy, F32_TOL)
+    conv_checks.assert_float32_matches_pytorch(torch, winograd, x, w, b, padding, dy, F32_TOL)
 
 
 def test_winograd_without_bias_or_input_gradient(rng):
@@ -99,17 +98,21 @@ def test_winograd_rejects_other_kernels_and_strides():
     x = np.zeros((1, 2, 8, 8), np.float32)
     y = np.zeros((1, 3, 6, 6), np.float32)
     with pytest.raises(ValueError, match="3x3 kernel at stride 1"):
-        winograd.winograd_forward(np.zeros((1, 3, 4, 4), np.float32), x,
-                                  np.zeros((3, 2, 5, 5), np.float32), None, 0)
+        winograd.forward(np.zeros((1, 3, 4, 4), np.float32), x,
+                         np.zeros((3, 2, 5, 5), np.float32), None, 1, 0)
+    with pytest.raises(ValueError, match="3x3 kernel at stride 1"):
+        winograd.forward(np.zeros((1, 3, 3, 3), np.float32), x,
+                         np.zeros((3, 2, 3, 3), np.float32), None, 2, 0)
     with pytest.raises(ValueError, match="y: expected shape"):
-        winograd.winograd_forward(y, x, np.zeros((3, 2, 3, 3), np.float32), None, 1)
+        winograd.forward(y, x, np.zeros((3, 2, 3, 3), np.float32), None, 1, 1)
     with pytest.raises(TypeError, match="w: expected dtype"):
-        winograd.winograd_forward(y, x, np.zeros((3, 2, 3, 3)), None, 0)
+        winograd.forward(y, x, np.zeros((3, 2, 3, 3)), None, 1, 0)
     with pytest.raises(ValueError, match="padding"):
-        winograd.winograd_backward(None, np.zeros((3, 2, 3, 3), np.float32), None, y, x,
-                                   np.zeros((3, 2, 3, 3), np.float32), -1)
-    assert not winograd.winograd_supports((3, 2, 3, 3), 2)
-    assert winograd.winograd_supports((3, 2, 3, 3), (1, 1))
+        winograd.backward(None, np.zeros((3, 2, 3, 3), np.float32), None, y, x,
+                          np.zeros((3, 2, 3, 3), np.float32), 1, -1)
+    assert not winograd.supports((3, 2, 3, 3), 2)
+    assert not winograd.supports((3, 2, 5, 5), 1)
+    assert winograd.supports((3, 2, 3, 3), (1, 1), 4)
 
 
 @settings(max_examples=40, deadline=None)
@@ -124,12 +127,18 @@ def test_winograd_equals_im2col_on_any_shape(N, C, H, W, Co, ph, pw):
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("x_shape, w_shape, stride, preferred", [
+    ((64, 64, 32, 32), (64, 64, 3, 3), 1, "winograd"),
+    ((64, 64, 4, 4), (64, 64, 3, 3), 1, "winograd"),
+    ((64, 64, 2, 2), (64, 64, 3, 3), 1, "tapgemm"),     # 2x2 outputs: mostly padding
+    ((64, 8, 16, 16), (256, 8, 3, 3), 1, "gemm"),      # too few input channels
+    ((64, 64, 32, 32), (64, 64, 3, 3), 2, "gemm"),
+])
+def test_winograd_preferred_where_measured_faster(x_shape, w_shape, stride, preferred):
+    assert conv_algorithms.preferred(x_shape, w_shape, stride, 1) == preferred
+
+
 def test_conv2d_layer_picks_winograd_where_preferred_and_both_agree(rng):
-    assert winograd.winograd_preferred((64, 64, 32, 32), (64, 64, 3, 3), 1, 1)
-    assert winograd.winograd_preferred((64, 64, 4, 4), (64, 64, 3, 3), 1, 1)
-    assert not winograd.winograd_preferred((64, 64, 2, 2), (64, 64, 3, 3), 1, 1)
-    assert not winograd.winograd_preferred((64, 3, 32, 32), (64, 3, 3, 3), 1, 1)
-    assert not winograd.winograd_preferred((64, 64, 32, 32), (64, 64, 3, 3), 2, 1)
     layer = nn.Conv2d(64, 32, 3, padding=1, generator=rng)
     x = rng.standard_normal((2, 64, 16, 16)).astype(np.float32)
     dy = rng.standard_normal((2, 32, 16, 16)).astype(np.float32)

@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..kernels.activation import add_forward
+from ..kernels.activation import add
 from ..nn import (AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, Module,
                   ReLU, Sequential, init)
 from .base import Model, input_shape
@@ -28,7 +28,7 @@ class _Residual(Module):
         for layer in self._main:
             out = layer.forward(out)
         # in place into the last BatchNorm's output: its backward needs its input only
-        add_forward(out, out, x if self.downsample is None else self.downsample.forward(x))
+        add(out, out, x if self.downsample is None else self.downsample.forward(x))
         return self.relu.forward(out)
 
     def backward(self, dy):
@@ -40,7 +40,7 @@ class _Residual(Module):
         dx = d
         for layer in reversed(self._main):
             dx = layer.backward(dx)
-        add_forward(dx, dx, d_shortcut)   # dx is the first conv's own buffer
+        add(dx, dx, d_shortcut)   # the branches' gradients join; dx is conv1's own buffer
         return dx
 
 

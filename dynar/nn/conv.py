@@ -1,42 +1,18 @@
 """Conv2d over NCHW float32, weights OIHW: im2col/GEMM, Winograd F(2x2, 3x3) on the 3x3
 stride-1 layers where it is faster, the direct kernels on stride-1 layers with few channels,
-or one GEMM per kernel tap on the smallest planes."""
+or one GEMM per kernel tap on the smallest planes (the choice: conv_algorithms.py)."""
 import numpy as np
 
-from ..kernels.conv import conv2d_backward, conv2d_forward, conv2d_output_shape
-from ..kernels.direct import direct_backward, direct_forward, direct_preferred, direct_supports
-from ..kernels.tapgemm import tapgemm_backward, tapgemm_forward, tapgemm_preferred
-from ..kernels.winograd import (winograd_backward, winograd_forward, winograd_preferred,
-                                winograd_supports)
-from . import init
+from ..kernels.conv import output_shape
+from . import conv_algorithms, init
 from .module import Module
 from .parameter import Parameter
 
-ALGORITHMS = ("auto", "gemm", "winograd", "direct", "tapgemm")
-
-# kernel -> (forward, backward). Winograd and direct compute stride 1 only and take no stride.
-_KERNELS = {
-    "gemm": (conv2d_forward, conv2d_backward),
-    "tapgemm": (tapgemm_forward, tapgemm_backward),
-    "winograd": (winograd_forward, winograd_backward),
-    "direct": (direct_forward, direct_backward),
-}
-_STRIDE_ONE_ONLY = ("winograd", "direct")
+ALGORITHMS = ("auto",) + tuple(conv_algorithms.ALGORITHMS)
 
 
 def _pair(v):
     return (v, v) if isinstance(v, int) else tuple(v)
-
-
-def preferred_kernel(x_shape, w_shape, stride, padding):
-    """The kernel "auto" runs a layer on, by measurement (`python -m perf kernels`): the
-    direct kernels for few channel pairs, else the per-tap GEMMs on outputs of 4x4 and less,
-    else Winograd for 3x3 stride-1 layers, else im2col/GEMM ("gemm")."""
-    for name, preferred in (("direct", direct_preferred), ("tapgemm", tapgemm_preferred),
-                            ("winograd", winograd_preferred)):
-        if preferred(x_shape, w_shape, stride, padding):
-            return name
-    return "gemm"
 
 
 class Conv2d(Module):
@@ -57,36 +33,38 @@ class Conv2d(Module):
         self._algorithm = "auto"
         self._x = self._y = self._dx = None
         self._x_shape = None
-        self._kernel = "gemm"   # the algorithm the current input shape runs on
+        self._kernel = "gemm"   # the algorithm the current input shape runs on, and its entries
+        self._run_forward = self._run_backward = None
 
     @property
     def algorithm(self):
-        """"auto" (the kernel preferred_kernel names), "gemm" (im2col/GEMM), "winograd" (3x3,
-        stride 1 only), "direct" (stride 1 only) or "tapgemm" (one GEMM per kernel tap)."""
+        """"auto" (the algorithm conv_algorithms.preferred names), "gemm" (im2col/GEMM),
+        "winograd" (3x3, stride 1 only), "direct" (stride 1 only) or "tapgemm" (one GEMM per
+        kernel tap)."""
         return self._algorithm
 
     @algorithm.setter
     def algorithm(self, value):
         if value not in ALGORITHMS:
             raise ValueError(f"Conv2d.algorithm: expected one of {ALGORITHMS}, got {value!r}")
-        if value == "winograd" and not winograd_supports(self.weight.shape, self.stride):
-            raise ValueError(f"Conv2d.algorithm: winograd needs a 3x3 kernel at stride 1, "
-                             f"this layer has {self.kernel_size} at stride {self.stride}")
-        if value == "direct" and not direct_supports(self.weight.shape, self.stride):
-            raise ValueError(f"Conv2d.algorithm: direct needs stride 1, this layer has "
-                             f"stride {self.stride}")
+        kernel = conv_algorithms.ALGORITHMS.get(value)
+        if kernel is not None and not kernel.supports(self.weight.shape, self.stride,
+                                                      self.padding):
+            raise ValueError(f"Conv2d.algorithm: {value} needs {kernel.needs}, this layer has "
+                             f"{self.kernel_size} at stride {self.stride}")
         self._algorithm = value
         self._x_shape = None   # choose again at the next forward
 
     def forward(self, x):
         if x.shape != self._x_shape:
             self._x_shape = x.shape
-            self._y = np.empty(conv2d_output_shape(x.shape, self.weight.shape, self.stride,
-                                                   self.padding), np.float32)
+            self._y = np.empty(output_shape(x.shape, self.weight.shape, self.stride,
+                                            self.padding), np.float32)
             self._kernel = self._choose(x.shape)
+            kernel = conv_algorithms.ALGORITHMS[self._kernel]
+            self._run_forward, self._run_backward = kernel.forward, kernel.backward
         bias = None if self.bias is None else self.bias.data
-        forward, _ = _KERNELS[self._kernel]
-        forward(self._y, x, self.weight.data, bias, *self._geometry())
+        self._run_forward(self._y, x, self.weight.data, bias, self.stride, self.padding)
         self._x = x
         return self._y
 
@@ -95,8 +73,8 @@ class Conv2d(Module):
         if self.input_requires_grad:
             dx = self._dx = self._reuse(self._dx, self._x_shape)
         db = None if self.bias is None else self.bias.grad
-        _, backward = _KERNELS[self._kernel]
-        backward(dx, self.weight.grad, db, dy, self._x, self.weight.data, *self._geometry())
+        self._run_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
+                           self.stride, self.padding)
         self._grad_ready()
         return dx
 
@@ -105,15 +83,10 @@ class Conv2d(Module):
         """The algorithm the last forward ran: "gemm", "winograd", "direct" or "tapgemm"."""
         return self._kernel
 
-    def _geometry(self):
-        if self._kernel in _STRIDE_ONE_ONLY:
-            return (self.padding,)
-        return (self.stride, self.padding)
-
     def _choose(self, x_shape):
         if self._algorithm != "auto":
             return self._algorithm
-        return preferred_kernel(x_shape, self.weight.shape, self.stride, self.padding)
+        return conv_algorithms.preferred(x_shape, self.weight.shape, self.stride, self.padding)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
