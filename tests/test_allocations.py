@@ -1,6 +1,9 @@
 """A steady-state training step allocates no memory: layer buffers and kernel workspace are
-reused from the first steps on. Measured with tracemalloc, which sees numpy's arrays and
-(through its own domain) dynar's kernel workspace."""
+reused from the first steps on, and the convolution algorithms share one workspace. Measured
+with tracemalloc, which sees numpy's arrays and (through its own domain) dynar's kernel
+workspace."""
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
@@ -60,3 +63,26 @@ def test_kernel_workspace_is_visible_to_tracemalloc(rng):
         assert sum(t.size for t in traces) >= rows * 8, traces
     finally:
         tracemalloc.stop()
+
+
+def test_the_convolution_algorithms_share_one_workspace():
+    # In a fresh process, where no earlier call has grown the workspace: after each of the
+    # four algorithms ran forward and backward, one workspace buffer is alive, not four.
+    code = f"""
+import tracemalloc
+import numpy as np
+tracemalloc.start()
+from dynar.kernels import direct, im2col, tapgemm, winograd
+x = np.ones((4, 8, 12, 12), np.float32)
+w = np.ones((8, 8, 3, 3), np.float32)
+y, dx, dw = np.empty_like(x), np.empty_like(x), np.zeros_like(w)
+for kernel in (im2col, winograd, direct, tapgemm):
+    kernel.forward(y, x, w, None, 1, 1)
+    kernel.backward(dx, dw, None, y, x, w, 1, 1)
+domain = tracemalloc.DomainFilter(True, {WORKSPACE_DOMAIN})
+print(len(tracemalloc.take_snapshot().filter_traces([domain]).traces))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"

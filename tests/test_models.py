@@ -30,11 +30,11 @@ ImageNet variants at 224x224 run at batch 1.
 
 import numpy as np
 import pytest
-from conftest import require_torch
+from support import require_torch
 
 from dynar import models, nn, optim
 
-PARAM_COUNTS = {  # DESIGN.md's table, 10 classes
+PARAM_COUNTS = {  # docs/DESIGN.md, "Models", 10 classes
     ("lenet", "mnist"): 61_706,
     ("alexnet", "imagenet"): 57_044_810,
     ("alexnet", "cifar"): 23_272_266,
@@ -253,7 +253,13 @@ def test_cifar_parity_eval(name):
     check_parity(name, "cifar", batch=2, training=False)
 
 
-@pytest.mark.parametrize("name", IMAGENET)
+# The VGGs at 224x224 take 15-23 s each on 2 cores (marked slow), the others 1-5 s. At
+# ImageNet size a VGG differs from its CIFAR variant in the input and the 4096-wide
+# classifier, the same at every depth: the deeper VGGs' layers are checked at CIFAR size
+# (test_cifar_parity_train), vgg11 and vgg11_bn carry the ImageNet head.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "vgg" in n else n
+                                  for n in IMAGENET
+                                  if not n.startswith("vgg") or n.startswith("vgg11")])
 def test_imagenet_parity_train(name):
     check_parity(name, "imagenet", batch=1, training=True)
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from conftest import require_torch
+from support import require_torch
 
 from dynar import nn
 
@@ -271,7 +271,7 @@ def test_placed_flat_buffers_carry_forward_and_backward():
     assert net.flat_params is params and net.flat_grads is grads
     for p in net.parameters():
         assert np.shares_memory(p.data, params) and np.shares_memory(p.grad, grads)
-        assert p.flat_slice[0] is params and p.flat_slice[1] is grads
+        assert p.placement.params is params and p.placement.grads is grads
     np.testing.assert_array_equal(net.forward(x), twin.forward(x))
     net.backward(dy)
     twin.backward(dy)

@@ -3,7 +3,7 @@ combination), resuming from state_dict, contiguous-run fusion; learning-rate sch
 against torch.optim.lr_scheduler."""
 import numpy as np
 import pytest
-from conftest import require_torch
+from support import require_torch
 
 from dynar import nn, optim
 
@@ -48,7 +48,7 @@ def test_sgd_is_one_fused_run_over_a_model():
     model = net()
     opt = optim.SGD(model, lr=0.1, momentum=0.9)
     assert len(opt._runs) == 1
-    params, grads = opt._runs[0]
+    params, grads, _ = opt._runs[0]
     assert np.shares_memory(params, model.flat_params) and params.size == model.flat_params.size
     assert opt.momentum_buffer.shape == model.flat_params.shape
     assert optim.SGD(model, lr=0.1).momentum_buffer is None     # no buffer without momentum
@@ -73,7 +73,9 @@ def test_sgds_updating_parts_of_one_velocity_equal_one_sgd():
     ref = optim.SGD(whole, **kw)
     n = split.flat_params.size
     velocity = np.zeros(n, np.float32)
-    ranks = [optim.SGD(split, **kw, momentum_storage=velocity) for _ in range(3)]
+    ranks = [optim.SGD(split, **kw) for _ in range(3)]
+    for opt in ranks:
+        opt.relocate(momentum_buffer=velocity)
     parts = [[(0, 7), (n // 2, n - 3)], [(7, 7), (7, n // 2)], [(n - 3, n)]]  # one empty
     for step in range(4):
         fake_grads(whole, step)
@@ -100,8 +102,10 @@ def test_sgd_rejects_a_bad_range_or_velocity_storage():
     n = model.flat_params.size
     with pytest.raises(ValueError, match=rf"range \(0, {n + 1}\) is not within the {n} parameters"):
         optim.SGD(model, lr=0.1).step([(0, n + 1)])
-    with pytest.raises(ValueError, match="momentum_storage"):
-        optim.SGD(model, lr=0.1, momentum=0.9, momentum_storage=np.zeros(n - 1, np.float32))
+    with pytest.raises(ValueError, match=rf"relocate: .*shape \({n},\)"):
+        optim.SGD(model, lr=0.1, momentum=0.9).relocate(np.zeros(n - 1, np.float32))
+    with pytest.raises(ValueError, match="no momentum"):
+        optim.SGD(model, lr=0.1).relocate(np.zeros(n, np.float32))
 
 
 def test_sgd_state_dict_resumes_exactly():

@@ -1,9 +1,13 @@
+import math
+
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, note, settings, strategies as st
 
 from dynar.kernels import sgd
-from conftest import at_thread_counts, require_torch
+from support import at_thread_counts, require_torch
+from support.bad_inputs import REFUSED, as_real, describe, float_dtype, is_array, overlap, \
+    snapshot, spoiled_calls
 
 CONFIGS = [
     dict(),
@@ -146,23 +150,78 @@ def test_sgd_rejects_overlapping_buffers():
         sgd.sgd_step(flat[:5], flat[5:], flat[2:7], 0.1, momentum=0.9)
 
 
-vectors = st.one_of(
-    st.none(), st.floats(), st.integers(),
-    st.tuples(st.integers(0, 5), st.sampled_from([np.float32, np.float64, np.int32])).map(
-        lambda t: np.zeros(t[0], t[1])),
-    st.integers(2, 10).map(lambda n: np.zeros(n, np.float32)[::2]),
-    st.integers(1, 3).map(lambda n: np.zeros((n, 2), np.float32)),
-)
-hyper = st.one_of(st.floats(), st.integers(), st.none(), st.booleans(), st.text(max_size=2))
+HYPER = ("lr", "momentum", "weight_decay", "dampening")
+
+
+def _valid_args(nesterov):
+    """A valid float32 sgd_step call, every argument by name: 5 parameters, random values,
+    momentum (Nesterov's if asked) and weight decay."""
+    rng = np.random.default_rng(0)
+    params, grads, buf = (rng.standard_normal(5).astype(np.float32) for _ in range(3))
+    return dict(params=params, grads=grads, momentum_buf=buf, lr=0.1, momentum=0.9,
+                weight_decay=1e-3, nesterov=nesterov, dampening=0.0)
+
+
+def _accepts(args):
+    """Whether sgd_step must compute `args` (else refuse them), decided from the arguments:
+    params a non-empty 1-D float array, grads and momentum_buf of its dtype and shape, all
+    C-contiguous and aligned, params and momentum_buf writeable and sharing no memory with
+    another argument; momentum_buf None only without momentum; the hyper-parameters finite
+    reals, lr, momentum and weight_decay >= 0; nesterov a bool, and True only with momentum > 0
+    and no dampening."""
+    params = args["params"]
+    dtype = float_dtype(params)
+    if not is_array(params, dtype, ndim=1, output=True) or params.size == 0 \
+            or not is_array(args["grads"], dtype, params.shape):
+        return False
+    hyper = {name: as_real(args[name]) for name in HYPER}
+    if any(value is None or not math.isfinite(value) for value in hyper.values()) \
+            or min(hyper["lr"], hyper["momentum"], hyper["weight_decay"]) < 0:
+        return False
+    nesterov = args["nesterov"]
+    if not isinstance(nesterov, bool) \
+            or nesterov and (hyper["momentum"] <= 0 or hyper["dampening"] != 0):
+        return False
+    buf = args["momentum_buf"]
+    if buf is None:
+        return hyper["momentum"] == 0
+    return is_array(buf, dtype, params.shape, output=True) \
+        and not overlap(args, ["params", "momentum_buf"])
+
+
+def _assert_computed(before, args):
+    """params and momentum_buf after the call follow pyx/sgd.pyx's formulas from `before`,
+    in the parameters' precision (FMA contraction allowed for)."""
+    t = before["params"].dtype.type
+    lr, momentum, weight_decay, dampening = (t(as_real(args[name])) for name in HYPER)
+    p, d = before["params"], before["grads"]
+    if weight_decay != 0:
+        d = d + weight_decay * p
+    if as_real(args["momentum"]) != 0:   # decided in double: momentum 1e-300 keeps a buffer
+        buf = momentum * before["momentum_buf"] + (1 - dampening) * d
+        np.testing.assert_allclose(args["momentum_buf"], buf, rtol=1e-5)
+        d = d + momentum * buf if args["nesterov"] else buf
+    elif args["momentum_buf"] is not None:
+        np.testing.assert_array_equal(args["momentum_buf"], before["momentum_buf"])
+    np.testing.assert_allclose(args["params"], p - lr * d, rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=300, deadline=None)
-@given(params=vectors, grads=vectors, buf=vectors, lr=hyper, momentum=hyper, wd=hyper,
-       nesterov=st.one_of(st.booleans(), st.none(), st.integers(0, 1)), dampening=hyper)
-def test_sgd_bad_input_always_raises_a_python_exception(params, grads, buf, lr, momentum, wd,
-                                                        nesterov, dampening):
-    # Anything but TypeError/ValueError (a crash, SystemError, OverflowError) fails the test.
-    try:
-        sgd.sgd_step(params, grads, buf, lr, momentum, wd, nesterov, dampening)
-    except (TypeError, ValueError):
-        pass
+@given(nesterov=st.booleans(), data=st.data())
+def test_sgd_bad_input_always_raises_a_python_exception(nesterov, data):
+    # A valid call with 1 to 3 arguments replaced: some replacements keep it valid (a copy,
+    # no buffer at momentum 0, other hyper-parameters), the others must be refused.
+    hyper = st.one_of(st.floats(0, 2), st.just(0.0))
+    args = data.draw(spoiled_calls(_valid_args(nesterov),
+                                   values=dict.fromkeys(HYPER, hyper)))
+    note(describe(args))
+    before = snapshot(args)
+    if not _accepts(args):
+        event("refused")
+        with pytest.raises(REFUSED):
+            sgd.sgd_step(*args.values())
+        return
+    event("computed")
+    with np.errstate(over="ignore", invalid="ignore"):   # huge hyper-parameters are valid
+        sgd.sgd_step(*args.values())
+        _assert_computed(before, args)

@@ -14,7 +14,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from .parameter import Parameter
+from .parameter import FlatPlacement, Parameter
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
@@ -119,6 +119,11 @@ class Module:
             for name, b in m._buffers.items():
                 yield (f"{prefix}.{name}" if prefix else name), b
 
+    def batch_norm_layers(self):
+        """The modules of this one that normalize over a batch (BatchNorm2d): the layers whose
+        `batch_stats_group` data-parallel training sets."""
+        return [m for m in self.modules() if hasattr(type(m), "batch_stats_group")]
+
     def train(self, mode=True):
         for m in self.modules():
             object.__setattr__(m, "training", bool(mode))
@@ -152,7 +157,7 @@ class Module:
             for pname, p in m._parameters.items():
                 stop = start + p.size
                 flat_params[start:stop] = p.data.reshape(-1)
-                p.flat_slice = (None, None, start)
+                p.placement = FlatPlacement(None, None, start)
                 names.append(f"{name}.{pname}" if name else pname)
                 start = stop
             object.__setattr__(m, "_grad_slice", (layer_start, start))
@@ -177,10 +182,10 @@ class Module:
                                  f"float32 array of shape {self.flat_params.shape}, got "
                                  f"{array.dtype} {array.shape}")
         for p in self.parameters():
-            start = p.flat_slice[2]
+            start = p.placement.offset
             p.data = flat_params[start:start + p.size].reshape(p.shape)
             p.grad = flat_grads[start:start + p.size].reshape(p.shape)
-            p.flat_slice = (flat_params, flat_grads, start)
+            p.placement = FlatPlacement(flat_params, flat_grads, start)
         object.__setattr__(self, "flat_params", flat_params)
         object.__setattr__(self, "flat_grads", flat_grads)
         return self
@@ -227,25 +232,26 @@ class Module:
         """name -> copy of each parameter and buffer, names and shapes as torch's."""
         return {name: array.copy() for name, array in self._state_arrays().items()}
 
-    def load_state_dict(self, state_dict, strict=True):
+    def load_state_dict(self, state_dict, strict=True, missing_ok=()):
         """Copy arrays (numpy, or anything np.asarray takes, e.g. CPU torch tensors) into the
-        model in place. A missing `num_batches_tracked` is tolerated. Shape mismatches always
-        raise; with strict, missing and unexpected keys raise too. Nothing is copied unless
-        everything checks out. Returns (missing_keys, unexpected_keys)."""
+        model in place. A missing `num_batches_tracked` is tolerated, and so are the keys in
+        `missing_ok` (left as they are). Shape mismatches always raise; with strict, missing
+        and unexpected keys raise too, each kind listed (the first ten). Nothing is copied
+        unless everything checks out. Returns (missing_keys, unexpected_keys)."""
         own = self._state_arrays()
-        missing = [k for k in own
-                   if k not in state_dict and not k.endswith("num_batches_tracked")]
+        missing = [k for k in own if k not in state_dict and k not in missing_ok
+                   and not k.endswith("num_batches_tracked")]
         unexpected = [k for k in state_dict if k not in own]
         values = {k: np.asarray(v) for k, v in state_dict.items() if k in own}
         mismatched = [f"{k}: checkpoint {v.shape}, model {own[k].shape}"
                       for k, v in values.items() if v.shape != own[k].shape]
         problems = []
         if mismatched:
-            problems.append("shape mismatch for " + "; ".join(mismatched))
+            problems.append("shape mismatch for " + _listed(mismatched, "; "))
         if strict and missing:
-            problems.append("missing keys " + ", ".join(missing))
+            problems.append("missing keys " + _listed(missing))
         if strict and unexpected:
-            problems.append("unexpected keys " + ", ".join(unexpected))
+            problems.append("unexpected keys " + _listed(unexpected))
         if problems:
             raise ValueError(f"load_state_dict into {type(self).__name__}: "
                              + " | ".join(problems))
@@ -265,3 +271,9 @@ class Module:
         for name, child in self._modules.items():
             lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
         return "\n".join(lines + [")"])
+
+
+def _listed(items, separator=", ", shown=10):
+    """The first `shown` items joined, and how many more there are."""
+    more = f" ... and {len(items) - shown} more" if len(items) > shown else ""
+    return separator.join(items[:shown]) + more

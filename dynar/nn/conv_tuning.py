@@ -1,0 +1,209 @@
+"""Choosing each convolution layer's algorithm by timing the candidates on the machine that
+trains, instead of by thresholds measured on another CPU.
+
+For every distinct layer shape (input, weights, stride, padding, whether the layer needs an
+input gradient) at the kernels' thread count, each algorithm that supports it runs forward +
+backward a few times on scratch arrays; the fastest is kept. Results are cached in a file
+per machine and thread count (CPU model, ISA, dynar's kernel build), in
+$DYNAR_KERNEL_CACHE or ~/.cache/dynar/kernels, so a shape is timed once per machine;
+`python -m dynar.tune --kernels` fills it ahead of a job. DYNAR_KERNEL_TUNE=0 keeps
+conv_algorithms.preferred's thresholds. A distributed job times on rank 0 and every rank
+runs rank 0's choice (train/build.py), so ranks compute alike.
+"""
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic_write import write_text
+from ..kernels import conv, direct, im2col, tapgemm, winograd
+from . import conv_algorithms
+from .conv import Conv2d as ConvLayer
+
+_FORMAT, _VERSION = "dynar-kernel-choices", 1
+REPEATS = 3
+NOISE = 0.05      # a lead smaller than this over the thresholds' choice does not count
+BUDGET_S = 0.5    # a candidate slower than this and well behind is not timed again
+# CPU features that decide which kernels are fast; the rest of /proc/cpuinfo's flags do not.
+_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile",
+             "amx_bf16", "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2")
+
+
+def enabled():
+    """Whether layers are timed (DYNAR_KERNEL_TUNE, default on; 0 keeps the thresholds)."""
+    value = os.environ.get("DYNAR_KERNEL_TUNE", "1").strip().lower()
+    if value not in ("0", "1", "off", "on", "no", "yes", "false", "true", ""):
+        raise ValueError(f"DYNAR_KERNEL_TUNE={value!r}: expected 1 (time the convolution "
+                         f"algorithms) or 0 (choose by the built-in thresholds)")
+    return value not in ("0", "off", "no", "false")
+
+
+def cache_dir():
+    env = os.environ.get("DYNAR_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "dynar" / "kernels"
+
+
+def machine(threads):
+    """What a cached choice holds for: CPU model, architecture, the features that matter,
+    the kernels' build and the thread count."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "cpu part", "hardware") and model == "unknown":
+                    model = value.strip()
+                elif key in ("flags", "features"):
+                    flags.update(value.split())
+    except OSError:
+        pass
+    build = hashlib.sha256()
+    for module in (conv, direct, im2col, tapgemm, winograd):
+        build.update(Path(module.__file__).read_bytes())
+    return {"cpu": model, "arch": platform.machine(),
+            "features": sorted(flags.intersection(_FEATURES)),
+            "kernels": build.hexdigest()[:16], "threads": int(threads)}
+
+
+def _cache_path(about):
+    digest = hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"{digest}.json"
+
+
+def _load(path, about):
+    """The cached layer choices of `path`, {} when there are none; a damaged file is
+    reported and ignored (it is timed again and rewritten)."""
+    try:
+        record = json.loads(path.read_text())
+        ok = (record.get("format") == _FORMAT and record.get("version") == _VERSION
+              and record.get("machine") == about and isinstance(record.get("layers"), dict))
+        layers = record["layers"] if ok else {}
+        for entry in layers.values():
+            if entry.get("choice") not in conv_algorithms.ALGORITHMS or not all(
+                    isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+                    for v in entry.get("ms", {}).values()):
+                raise ValueError("a layer entry is malformed")
+        return layers
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        print(f"warning: kernel choices {path} unreadable ({exc}); timing again",
+              file=sys.stderr)
+        return {}
+
+
+def _shape_key(x_shape, layer):
+    dims = "x".join
+    return (f"x={dims(map(str, x_shape))} w={dims(map(str, layer.weight.shape))} "
+            f"s={dims(map(str, layer.stride))} p={dims(map(str, layer.padding))} "
+            f"dx={int(layer.input_requires_grad)}")
+
+
+def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
+    """{algorithm: best seconds of forward + backward} of every algorithm that supports
+    `layer`, on scratch arrays of its shapes (`x_shape` its input), `first` timed first.
+
+    Bounded for big layers: each candidate's first call (which also grows the workspace)
+    counts as a sample; one more than BUDGET_S behind is not timed again, and one far
+    behind the best so far is left at that."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = layer.weight.data.copy()
+    b = None if layer.bias is None else np.zeros(layer.out_channels, np.float32)
+    y = np.empty(conv.output_shape(x_shape, w.shape, layer.stride, layer.padding), np.float32)
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    dx = np.empty_like(x) if layer.input_requires_grad else None
+    dw, db = np.zeros_like(w), None if b is None else np.zeros_like(b)
+    names = sorted(conv_algorithms.ALGORITHMS, key=lambda name: name != first)
+    seconds = {}
+    for name in names:
+        kernel = conv_algorithms.ALGORITHMS[name]
+        if not kernel.supports(w.shape, layer.stride, layer.padding):
+            continue
+        best, calls = math.inf, 0
+        while calls <= repeats:
+            start = time.perf_counter()
+            kernel.forward(y, x, w, b, layer.stride, layer.padding)
+            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding)
+            best, calls = min(best, time.perf_counter() - start), calls + 1
+            leader = min(seconds.values(), default=math.inf)
+            if best > 3 * leader or (best > 1.5 * leader and best > BUDGET_S):
+                break                               # far behind: no need to be precise
+        seconds[name] = best
+    return seconds
+
+
+def rule(x_shape, layer):
+    return conv_algorithms.preferred(x_shape, layer.weight.shape, layer.stride, layer.padding)
+
+
+def _fastest(ms, prior):
+    """The fastest algorithm of `ms`, unless the thresholds' `prior` is within NOISE of it:
+    a near tie is decided the same way on every machine, not by the timing's noise."""
+    best = min(ms, key=ms.get)
+    return prior if ms.get(prior, math.inf) <= ms[best] * (1 + NOISE) else best
+
+
+def conv_input_shapes(model, batch):
+    """[(name, layer, input shape)] of the model's "auto" convolutions at `batch` images, by
+    one forward of zeros in eval mode (no statistics or random state touched)."""
+    was_training = model.training
+    model.eval()
+    try:
+        model.forward(np.zeros((batch, *model.input_shape), np.float32))
+    finally:
+        model.train(was_training)
+    return [(name, m, m._x_shape) for name, m in model.named_modules()
+            if isinstance(m, ConvLayer) and m.algorithm == "auto"]
+
+
+def choose(model, batch, threads, tune=None):
+    """[{layer, shape, choice, source, ms}] for each "auto" convolution of `model` trained
+    at `batch` images per step and `threads` kernel threads: timed here ("measured"),
+    from the cache ("cached"), or by the thresholds ("rule", when tuning is off)."""
+    tune = enabled() if tune is None else tune
+    about = machine(threads) if tune else None
+    path = _cache_path(about) if tune else None
+    cached = _load(path, about) if tune else {}
+    found, records = {}, []
+    for name, layer, x_shape in conv_input_shapes(model, batch):
+        key = _shape_key(x_shape, layer)
+        if not tune:
+            records.append({"layer": name, "shape": key, "choice": rule(x_shape, layer),
+                            "source": "rule"})
+            continue
+        source = "cached" if key in cached else "measured"
+        if key not in cached and key not in found:
+            prior = rule(x_shape, layer)
+            ms = {k: 1e3 * v for k, v in time_algorithms(x_shape, layer, first=prior).items()}
+            found[key] = {"choice": _fastest(ms, prior), "ms": ms}
+        entry = cached.get(key) or found[key]
+        records.append({"layer": name, "shape": key, "choice": entry["choice"],
+                        "source": source, "ms": entry["ms"]})
+    if found:
+        _save(path, about, {**_load(path, about), **found})
+    return records
+
+
+def _save(path, about, layers):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps({"format": _FORMAT, "version": _VERSION,
+                                     "machine": about, "layers": layers}, indent=1))
+    except OSError as exc:      # a read-only home: the choices hold for this run only
+        print(f"warning: cannot keep kernel choices in {path}: {exc.strerror or exc}",
+              file=sys.stderr)
+
+
+def apply(model, records):
+    """Set each convolution named in `records` to its chosen algorithm."""
+    layers = dict(model.named_modules())
+    for record in records:
+        layers[record["layer"]].algorithm = record["choice"]
