@@ -1,19 +1,26 @@
 """python -m dynar.tune: measure dynar's allreduce algorithms on this job's ranks and hosts,
 fit their costs, and save a tuning file that `--sync dynamic` training jobs of the same
-shape (ranks, ranks per node, MPI library, hosts) load instead of tuning briefly themselves.
+shape (ranks, ranks per node, MPI library, interconnect; on these hosts or any others)
+load instead of tuning briefly themselves.
 
 Run it under the same launcher and layout as training, e.g.
     mpiexec -n 8 --map-by ppr:2:node python -m dynar.tune
 When the nodes run more than one rank each, training shares one replica per node and only
 allreduces among nodes, so that is what is tuned (by one rank per node). Files go to
 $DYNAR_TUNE_DIR (default ~/.cache/dynar/tune), or --dir.
+
+python -m dynar.tune --kernels --model M [--variant V] --batch-size B [--threads T] instead
+times each convolution algorithm on every layer shape of the model (B images per rank, as a
+rank trains) and keeps the fastest in the kernel cache training reads (nn/conv_tuning.py:
+$DYNAR_KERNEL_CACHE, default ~/.cache/dynar/kernels), so that a job starts without timing.
+No MPI: run it on one node of the kind the job will run on.
 """
 import argparse
 import sys
-import time
 
-from .dist import node_replica, runtime, tuning
-from .dist.job import Job
+from .dist import node_replica, tuning
+from .dist.collective import Collective
+from .dist.job import Job, wait_politely
 
 
 def _sizes(text):
@@ -33,22 +40,53 @@ def build_parser():
                    help="message sizes in bytes (default 4 B ... 256 MB, powers of 4)")
     p.add_argument("--repeats", type=int, default=tuning.FULL_REPEATS,
                    help="timed calls per algorithm and size (median taken)")
+    kernels = p.add_argument_group("convolution kernels (--kernels)")
+    kernels.add_argument("--kernels", action="store_true",
+                         help="time the convolution algorithms of --model instead")
+    kernels.add_argument("--model", help="the model whose layers to time (dynar.models)")
+    kernels.add_argument("--variant", help="its input size variant (cifar, imagenet, ...)")
+    kernels.add_argument("--batch-size", type=int, default=32,
+                         help="images per rank and step, as the job will train (default 32)")
+    kernels.add_argument("--threads", type=int,
+                         help="kernel threads per rank (default: this process's share)")
     p.add_argument("--dir", help="where to write the tuning file (default $DYNAR_TUNE_DIR "
                                  "or ~/.cache/dynar/tune)")
     return p
 
 
-def _wait_politely(comm):
-    """A barrier over `comm` that sleeps while it waits (a spinning one would take the
-    measuring ranks' cores). Not the allreduce's polite wait, which sleeps 20 µs between
-    polls to keep latency low: this one lasts the whole tune, so it polls every 5 ms."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.005)
+def tune_kernels(args):
+    """--kernels: every layer shape of the model timed, the cache filled; returns the
+    exit status."""
+    from . import kernels, models
+    from .nn import conv_tuning
+    if not args.model or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
+        print("error: --kernels needs --model, a --batch-size >= 1 and --threads >= 1",
+              file=sys.stderr)
+        return 2
+    options = {"variant": args.variant} if args.variant else {}
+    try:
+        model = models.get(args.model, num_classes=10, **options)
+    except (KeyError, ValueError, TypeError) as exc:
+        print(f"error: --model {args.model}: {exc}", file=sys.stderr)
+        return 2
+    threads = args.threads or Job.start().default_threads()[0]
+    with kernels.settings_kept():
+        kernels.set_num_threads(threads)
+        kernels.set_flush_denormals(True)
+        records = conv_tuning.choose(model, args.batch_size, threads, tune=True)
+    print(f"{args.model} at {args.batch_size} images x {threads} thread(s), "
+          f"ms of forward + backward:")
+    for r in records:
+        times = "  ".join(f"{k} {v:8.2f}" for k, v in sorted(r["ms"].items()))
+        print(f"  {r['layer']:<22} {r['choice']:>8} ({r['source']})  {times}")
+    print(f"kept in {conv_tuning.cache_dir()}")
+    return 0
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.kernels:
+        return tune_kernels(args)
     if args.repeats < 1:
         print("error: --repeats must be at least 1", file=sys.stderr)
         return 2
@@ -70,13 +108,13 @@ def main(argv=None):
                 say("one node: its ranks share one replica of the model and send no "
                     "gradients, so there is nothing to tune")
             cross.Free()
-            _wait_politely(job.comm)
+            wait_politely(job.comm)
             return 0
         comm = cross
         say(f"{job.world} ranks share one replica per node: tuning the allreduce among the "
             f"{cross.Get_size()} nodes")
     try:
-        collective = runtime.collective(comm)
+        collective = Collective(comm)
         say(f"tuning {collective.size} ranks ({collective.local_size} per node, {collective.nodes} "
             f"node(s)): {len(args.sizes)} sizes x 5 algorithms x {args.repeats} repeats")
         model, path, _ = tuning.tune(
@@ -88,7 +126,7 @@ def main(argv=None):
         job.abort(f"error: {exc}")
     if comm is not job.comm:
         comm.Free()
-        _wait_politely(job.comm)    # the leaders are done: release the waiting ranks
+        wait_politely(job.comm)    # the leaders are done: release the waiting ranks
     say("fitted time = alpha + beta * bytes per algorithm:")
     for algorithm in model.algorithms:
         cost = model.cost(algorithm)

@@ -35,10 +35,11 @@ def worker(sizes, repeats):
     measured point-to-point bandwidth between ranks 0 and 1."""
     import numpy as np
     from dynar.dist import runtime
+    from dynar.dist.algorithms import ALGORITHMS
+    from dynar.dist.collective import Collective
     MPI = runtime.mpi()
     comm = MPI.COMM_WORLD
-    collective = runtime.collective(comm)
-    ar = runtime.allreduce()
+    collective = Collective(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def timed(fn):
@@ -71,7 +72,7 @@ def worker(sizes, repeats):
     for nbytes in sizes:
         x = np.ones(max(nbytes // 4, 1), np.float32)
         methods = {PEER: lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)}
-        for algorithm in ar.ALGORITHMS:
+        for algorithm in ALGORITHMS:
             methods[f"dynar {algorithm}"] = lambda a=algorithm: collective.allreduce_mean(x, a)
         methods["dynar ring fp16 wire"] = lambda: collective.allreduce_mean(x, "ring", "fp16")
         if size > 1:
@@ -109,7 +110,7 @@ def measure(launch, ranks, sizes, repeats, link_bytes_per_s=None, label="loopbac
     return records
 
 
-# The sizes docs/PERFORMANCE.md shows (the JSON and the printed table have every size).
+# The sizes docs/notes/perf-tables.md shows (the JSON and the printed table have every size).
 DOC_SIZES = {4, 4 << 10, 256 << 10, 4 << 20, 64 << 20, 256 << 20}
 
 

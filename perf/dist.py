@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from dynar.dist import online
+from dynar.dist import online, runtime
 
 from . import harness
 from .models import ROOT, WARMUP
@@ -31,11 +31,10 @@ STEPS = {"lenet": 100, "alexnet": 12, "vgg16_bn": 6, "resnet18": 6}
 
 
 def _mpiexec(ranks):
-    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    exe = exe if os.path.exists(exe) else "mpiexec"
+    exe = runtime.find_mpiexec() or "mpiexec"
     # Unbound: DDP's gloo and dynar's communication thread each run a helper thread beside
     # the compute thread; binding a rank to one core would make them share it.
-    return [exe, "--oversubscribe", "--bind-to", "none", "-n", str(ranks)]
+    return [exe, *runtime.shared_machine_flags(exe), "-n", str(ranks)]
 
 
 def _env():
@@ -73,9 +72,10 @@ def _explore_steps(step_s):
     return online.exploration_steps(0.0 if step_s is None else step_s / 2)
 
 
-def _dynar(launcher, name, variant, mode, steps, step_s=None, env=None):
+def _dynar(launcher, name, variant, mode, steps, step_s=None, env=None, extra=()):
     """Per-step figures of `python -m dynar.train` (launcher None: one process); step_s,
-    the step time another mode measured, sizes dynamic sync's exploration."""
+    the step time another mode measured, sizes dynamic sync's exploration; extra: more
+    flags."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         # Dynamic sync explores first (measure, then one trial per candidate plan): give it
@@ -90,6 +90,7 @@ def _dynar(launcher, name, variant, mode, steps, step_s=None, env=None):
             argv += ["--variant", variant]
         if name == "alexnet":
             argv += ["--dropout", "0"]
+        argv += list(extra)
         out = launcher.run(argv, env) if launcher else _single(argv, env)
         if out.returncode != 0:
             raise RuntimeError(f"dynar {name} x{ranks} {mode}: {out.stderr.strip()[-2000:]}")
@@ -105,7 +106,8 @@ def _dynar(launcher, name, variant, mode, steps, step_s=None, env=None):
     measured = [r for r in records if r["event"] == "step" and r["step"] > first][-steps:]
     got = {"step": [s["step_s"] for s in measured],
            "comm_exposed": [s["comm_exposed_s"] for s in measured],
-           "compute": [s["compute_s"] for s in measured]}
+           "compute": [s["compute_s"] for s in measured],
+           "batch_stats": [s.get("batch_stats_s", 0.0) for s in measured]}
     if chosen:
         got["plan"] = [f"{chosen[-1]['candidate']}: {chosen[-1]['buckets']} buckets "
                        + ", ".join(f"{a} x{n}" for a, n in chosen[-1]["algorithms"].items())]

@@ -1,8 +1,8 @@
 """What every benchmark suite shares: the peer protocol, machine facts, and result files.
 
-Protocol (DESIGN.md): peers are measured in the same run, alternating A, B, A, B so that
-machine noise hits both alike; each figure is a median after warm-up; comparisons are
-reported as ratios, never as lone absolute times.
+Protocol (docs/DESIGN.md, "Benchmark protocol"): peers are measured in the same run,
+alternating A, B, A, B so that machine noise hits both alike; each figure is a median after
+warm-up; comparisons are reported as ratios, never as lone absolute times.
 """
 import json
 import os
@@ -11,6 +11,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from dynar.atomic_write import write_text
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -43,7 +45,7 @@ def geometric_mean(values):
 
 
 def gemm_ceiling_gflops(repeats=5, size=2048):
-    """float32 GFLOP/s of numpy `a @ b` at size^3: the compute ceiling of DESIGN.md."""
+    """float32 GFLOP/s of numpy `a @ b` at size^3: the compute ceiling (docs/DESIGN.md)."""
     import numpy as np
     rng = np.random.default_rng(0)
     a = rng.standard_normal((size, size), dtype=np.float32)
@@ -127,15 +129,12 @@ def write_result(suite, payload):
     path = os.path.join(RESULTS_DIR, f"{suite}.json")
     doc = {"suite": suite, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "machine": machine_info(), **payload}
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(doc, indent=1))
     return path
 
 
 def format_table(header, rows):
-    """A Markdown table (prints well on a terminal and pastes into docs/PERFORMANCE.md)."""
+    """A Markdown table (prints well on a terminal and pastes into the docs)."""
     cells = [[str(h) for h in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]

@@ -1,9 +1,10 @@
 """Single-process training throughput and peak memory: dynar against PyTorch.
 
-Protocol (DESIGN.md): batch 64, synthetic N(0,1) inputs, SGD momentum 0.9, threads = cores
-for both, median step time after 3 warm-up steps. Each framework runs in its own process
-(so max RSS is its own), and the processes alternate dynar, torch, dynar, torch, ...; the
-torch models are the ones the parity tests check dynar against (tests/torch_reference.py).
+Protocol (docs/DESIGN.md, "Benchmark protocol"): batch 64 (32 at ImageNet size), synthetic N(0,1) inputs, SGD
+momentum 0.9, threads = cores for both, median step time after 3 warm-up steps. Each
+framework runs in its own process (so max RSS is its own), and the processes alternate
+dynar, torch, dynar, torch, ...; the torch models are the ones the parity tests check dynar
+against (tests/torch_reference.py).
 """
 import json
 import os
@@ -14,8 +15,10 @@ import sys
 from . import harness
 from .kernels import ALGORITHMS
 
-MODELS = [("lenet", "mnist"), ("alexnet", "cifar"), ("vgg16_bn", "cifar"), ("resnet18", "cifar")]
-BATCH = 64
+# (model, variant, batch)
+MODELS = [("lenet", "mnist", 64), ("alexnet", "cifar", 64), ("vgg16_bn", "cifar", 64),
+          ("resnet18", "cifar", 64), ("alexnet", "imagenet", 32), ("vgg16", "imagenet", 32),
+          ("resnet50", "imagenet", 32)]
 WARMUP = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,10 +27,13 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None):
     """One training step of dynar's model. With `timed` (a dict), every leaf layer's forward
     and backward, the loss and the optimizer add their seconds to timed[kind]."""
     from dynar import kernels, models, nn, optim
+    from dynar.nn import conv_tuning
     kernels.set_num_threads(threads)
     kernels.set_flush_denormals(True)
     kw = {"dropout": 0.0} if name.startswith(("alexnet", "vgg")) else {}
     model = models.get(name, variant=variant, seed=0, **kw)
+    # As training chooses (timed, cached; DYNAR_KERNEL_TUNE=0: the thresholds).
+    conv_tuning.apply(model, conv_tuning.choose(model, len(y), threads))
     crit = nn.CrossEntropyLoss()
     opt = optim.SGD(model, lr=0.01, momentum=0.9)
     if timed is not None:
@@ -83,7 +89,7 @@ def _torch_step_fn(name, variant, threads, x, y):
     return step
 
 
-def worker(framework, name, variant, threads, steps):
+def worker(framework, name, variant, batch, threads, steps):
     """Run in a fresh process: warm up, time `steps` training steps, report with max RSS."""
     import resource
     import time
@@ -91,8 +97,8 @@ def worker(framework, name, variant, threads, steps):
     import numpy as np
     rng = np.random.default_rng(0)
     shape = {"mnist": (1, 28, 28), "cifar": (3, 32, 32), "imagenet": (3, 224, 224)}[variant]
-    x = rng.standard_normal((BATCH,) + shape, dtype=np.float32)
-    y = rng.integers(0, 10, BATCH).astype(np.int64)
+    x = rng.standard_normal((batch,) + shape, dtype=np.float32)
+    y = rng.integers(0, 10, batch).astype(np.int64)
     make = _dynar_step_fn if framework == "dynar" else _torch_step_fn
     step = make(name, variant, threads, x, y)
     for _ in range(WARMUP):
@@ -119,14 +125,14 @@ def _peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def breakdown_worker(name, variant, threads, steps):
+def breakdown_worker(name, variant, batch, threads, steps):
     """Run in a fresh process: seconds per step by layer kind and pass, after warm-up."""
     import numpy as np
     rng = np.random.default_rng(0)
     from dynar import models
     shape = models.get(name, variant=variant, seed=0).input_shape
-    x = rng.standard_normal((BATCH,) + shape, dtype=np.float32)
-    y = rng.integers(0, 10, BATCH)
+    x = rng.standard_normal((batch,) + shape, dtype=np.float32)
+    y = rng.integers(0, 10, batch)
     timed = {}
     step = _dynar_step_fn(name, variant, threads, x, y, timed)
     for _ in range(WARMUP):
@@ -156,8 +162,14 @@ def _breakdown_table(breakdowns):
     return harness.format_table(["layer, pass"] + list(breakdowns), rows)
 
 
-def _measure(framework, name, variant, threads, steps, mode="--worker"):
-    cmd = [sys.executable, "-m", "perf.models", mode, framework, name, variant,
+def _steps(name, variant, quick):
+    if name == "lenet":
+        return 20 if quick else 60
+    return 2 if variant == "imagenet" and quick else 3 if quick else 6
+
+
+def _measure(framework, name, variant, batch, threads, steps, mode="--worker"):
+    cmd = [sys.executable, "-m", "perf.models", mode, framework, name, variant, str(batch),
            str(threads), str(steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
@@ -171,36 +183,37 @@ def run(quick=False):
     threads = kernels.get_num_threads()
     rounds = 1 if quick else 3
     rows, records = [], []
-    for name, variant in MODELS:
-        steps = (20 if name == "lenet" else 3) if quick else (60 if name == "lenet" else 6)
+    for name, variant, batch in MODELS:
+        steps = _steps(name, variant, quick)
         samples = {"dynar": [], "torch": []}
         rss = {"dynar": 0.0, "torch": 0.0}
         for _ in range(rounds):
             for framework in ("dynar", "torch"):
-                result = _measure(framework, name, variant, threads, steps)
+                result = _measure(framework, name, variant, batch, threads, steps)
                 samples[framework] += result["times"]
                 rss[framework] = max(rss[framework], result["max_rss_mb"])
         med = {f: statistics.median(s) for f, s in samples.items()}
-        rec = {"model": f"{name}-{variant}", "batch": BATCH, "threads": threads,
+        rec = {"model": f"{name}-{variant}", "batch": batch, "threads": threads,
                "samples": samples, "max_rss_mb": rss,
-               "dynar_images_per_sec": BATCH / med["dynar"],
-               "torch_images_per_sec": BATCH / med["torch"],
+               "dynar_images_per_sec": batch / med["dynar"],
+               "torch_images_per_sec": batch / med["torch"],
                "speedup": med["torch"] / med["dynar"],
                "rss_ratio": rss["dynar"] / rss["torch"]}
         records.append(rec)
-        rows.append([rec["model"], f"{rec['dynar_images_per_sec']:,.0f}",
+        rows.append([rec["model"], str(batch), f"{rec['dynar_images_per_sec']:,.0f}",
                      f"{rec['torch_images_per_sec']:,.0f}", f"{rec['speedup']:.2f}x",
                      f"{rss['dynar']:.0f}", f"{rss['torch']:.0f}"])
-    table = harness.format_table(["model", "dynar img/s", "PyTorch img/s", "dynar / PyTorch",
+    table = harness.format_table(["model", "batch", "dynar img/s", "PyTorch img/s", "dynar / PyTorch",
                                   "dynar max RSS MB", "PyTorch max RSS MB"], rows)
-    table += (f"\n\nbatch {BATCH}, {threads} threads, synthetic data, SGD momentum 0.9; "
-              f"medians of {rounds} alternating process pairs")
+    table += (f"\n\n{threads} threads, synthetic data, SGD momentum 0.9; convolutions as "
+              f"training chooses them (DYNAR_KERNEL_TUNE="
+              f"{os.environ.get('DYNAR_KERNEL_TUNE', '1')}); medians of {rounds} alternating "
+              f"process pairs")
     # Where dynar's step goes: every layer timed (the timers cost a few microseconds a call).
-    breakdowns = {f"{name}-{variant}": _measure("dynar", name, variant, threads,
-                                                 (20 if name == "lenet" else 3) if quick
-                                                 else (60 if name == "lenet" else 6),
+    breakdowns = {f"{name}-{variant}": _measure("dynar", name, variant, batch, threads,
+                                                 _steps(name, variant, quick),
                                                  mode="--breakdown")
-                  for name, variant in MODELS}
+                  for name, variant, batch in MODELS}
     table += ("\n\nWhere dynar's step goes (share of the step time, per layer kind and "
               "pass):\n\n" + _breakdown_table(breakdowns))
     print(table)
@@ -211,9 +224,9 @@ def run(quick=False):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
-    elif len(sys.argv) == 7 and sys.argv[1] == "--breakdown":
-        breakdown_worker(sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8]))
+    elif len(sys.argv) == 8 and sys.argv[1] == "--breakdown":
+        breakdown_worker(sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8]))
     else:
         raise SystemExit("usage: python -m perf models (this module's __main__ is the worker)")

@@ -1,16 +1,19 @@
-"""Refresh docs/PERFORMANCE.md from perf/results/*.json: `python -m perf report`.
+"""Refresh docs/notes/perf-tables.md from perf/results/*.json: `python -m perf report`.
 
-The document's prose is written by people; each suite's measured table, machine and date
-sit between markers <!-- perf:SUITE --> and <!-- /perf:SUITE --> and are replaced here, so
-the numbers in the docs are always the last ones the harness measured.
+Each suite's measured table, machine and date sit between markers <!-- perf:SUITE --> and
+<!-- /perf:SUITE --> and are replaced here, so the tables are always the last ones the
+harness measured. The headline figures of docs/PERFORMANCE.md are written by people from
+these.
 """
 import json
 import os
 import re
 
+from dynar.atomic_write import write_text
+
 from . import harness
 
-DOC = os.path.join(os.path.dirname(harness.RESULTS_DIR), "..", "docs", "PERFORMANCE.md")
+DOC = os.path.join(os.path.dirname(harness.RESULTS_DIR), "..", "docs", "notes", "perf-tables.md")
 
 
 def _block(result):
@@ -19,7 +22,8 @@ def _block(result):
                      for b in m.get("blas", []))
     mpi = f", MPI {m['mpi']['library']}" if m.get("mpi") else ""
     plot = result.get("plot")
-    picture = f"\n\n![{result['suite']}](../perf/results/{os.path.basename(plot)})" if plot else ""
+    picture = f"\n\n![{result['suite']}](../../perf/results/{os.path.basename(plot)})" if plot \
+        else ""
     return (f"{result['table']}{picture}\n\n"
             f"<sub>Measured {result['time']} at commit {m.get('git_commit')}: {m['cpu']}, "
             f"{m['cores_available']} cores, numpy {m['numpy']}, torch {m.get('torch')}, "
@@ -42,11 +46,10 @@ def refresh(doc_path=DOC):
         if pattern.search(text):
             text = pattern.sub(lambda mm: mm.group(1) + _block(result) + "\n" + mm.group(2), text)
             updated.append(suite)
-    with open(doc_path, "w") as f:
-        f.write(text)
+    write_text(doc_path, text)
     return updated
 
 
 def run(quick=False):
     updated = refresh()
-    print(f"docs/PERFORMANCE.md: refreshed {', '.join(updated) or 'nothing'}")
+    print(f"docs/notes/perf-tables.md: refreshed {', '.join(updated) or 'nothing'}")

@@ -2,7 +2,7 @@
 
 Each suite prints a Markdown table and writes perf/results/<suite>.json with the machine's
 facts and every raw sample. Run with the machine otherwise idle; numbers are ratios against
-peers measured in the same run (DESIGN.md, "Checks").
+peers measured in the same run (docs/DESIGN.md, "Benchmark protocol").
 """
 import argparse
 import importlib
@@ -10,15 +10,16 @@ import os
 import sys
 import time
 
-SUITES = ["kernels", "models", "allreduce", "dist", "cluster", "scale"]
+SUITES = ["kernels", "models", "allreduce", "dist", "cluster", "scale", "data",
+          "batchnorm"]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=SUITES + ["all", "report"],
-                        help="which benchmark to run (`report` refreshes docs/PERFORMANCE.md "
-                             "from the last results)")
+                        help="which benchmark to run (`report` refreshes "
+                             "docs/notes/perf-tables.md from the last results)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     args = parser.parse_args(argv)
     from perf import harness

@@ -113,7 +113,8 @@ def profile(name, variant=None, batch=PER_RANK_BATCH, threads=1, steps=10, warmu
     Returns a JSON-able dict: model, threads, batch, forward_s (zero_grad + forward + loss),
     backward_s, update_s (medians), and per layer in the order backward finalizes them
     (`model.grad_ready_order()`): layers, sizes_bytes (4 · slice length), ready_s (median
-    seconds from the start of backward to the layer's grad-ready hook), plus the samples."""
+    seconds from the start of backward to the layer's grad-ready hook), batchnorm ([index
+    in layers, channels] of each BatchNorm), plus the samples."""
     from dynar import kernels, models, nn, optim
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -159,13 +160,17 @@ def profile(name, variant=None, batch=PER_RANK_BATCH, threads=1, steps=10, warmu
     # A coordinate-wise median of nondecreasing vectors is nondecreasing; the accumulate only
     # guards the planner's input check against float ties.
     ready = np.maximum.accumulate(np.median(np.array(samples["ready_s"]), axis=0))
+    layers = [layer for layer, _, _, _ in order]
+    norms = {id(m) for m in model.batch_norm_layers()}
     return {"model": model_key(name, variant), "name": name, "variant": variant,
             "batch": batch, "threads": threads, "steps": steps, "warmup": warmup,
             "forward_s": statistics.median(samples["forward_s"]),
             "backward_s": statistics.median(samples["backward_s"]),
             "update_s": statistics.median(samples["update_s"]),
-            "layers": [layer for layer, _, _, _ in order],
+            "layers": layers,
             "sizes_bytes": [4 * (stop - start) for _, _, start, stop in order],
+            "batchnorm": [[layers.index(name), m.num_features]
+                          for name, m in model.named_modules() if id(m) in norms],
             "ready_s": [float(r) for r in ready],
             "samples": samples}
 
@@ -248,6 +253,22 @@ def emulated_link(probes, gamma, rate_gbit=VALIDATION_GBIT, fallback_alpha=5e-6)
     return link, {"source": source, "eta": eta, "rate_gbit": rate_gbit, "probes": len(rows)}
 
 
+def emulated_fit(rate_gbit, gamma, fallback_alpha=5e-6):
+    """(LinkModel, how it was obtained) of the emulated cluster at rate_gbit. Preferred:
+    dynar's own algorithms measured on the emulated hosts at this rate (the cluster suite's
+    allreduce part, 4 B to 64 MB), fitted like the loopback link; else emulated_link() over
+    the MPI_Allreduce probes."""
+    samples = loopback_samples(_records(_load("cluster.json")), f"@ {rate_gbit:g}gbit")
+    try:
+        fitted = costmodel.fit_link(samples)
+        if not fitted.beta > 0:
+            raise ValueError("no per-byte wire cost")
+        return fitted, {"source": f"fit_link over {len(samples)} emulated-cluster "
+                                  f"allreduce records at {rate_gbit:g} Gbit/s"}
+    except ValueError:
+        return emulated_link(cluster_probes(), gamma, rate_gbit, fallback_alpha=fallback_alpha)
+
+
 # -- prediction ----------------------------------------------------------------------------
 
 
@@ -306,6 +327,42 @@ def predict(prof, link, nodes=NODES, modes=SYNC_MODES, bucket_bytes=BUCKET_BYTES
             got = predict_step(prof, link, n, mode, bucket_bytes=bucket_bytes)
             rows.append({"model": prof["model"], "mode": mode, "nodes": n, **got,
                          "efficiency": base / got["step_s"]})
+    return rows
+
+
+def batchnorm_sums_s(prof, link, nodes):
+    """(forward, backward) seconds per step of global BatchNorm's sums over `nodes` nodes (a
+    rank each; dist/batch_stats.py: recursive doubling): per layer of C channels, C + 1 then
+    C float64 in forward, 2C in backward; and the backward sums' seconds per layer."""
+    def one(values):
+        return link.time("recursive_doubling", 8 * values, nodes)
+    forward = sum(one(c + 1) + one(c) for _, c in prof["batchnorm"])
+    backward = [one(2 * c) for _, c in prof["batchnorm"]]
+    return forward, sum(backward), backward
+
+
+def predict_batchnorm(prof, link, nodes=NODES, mode="buckets", bucket_bytes=BUCKET_BYTES):
+    """Rows {model, nodes, mode, local_step_s, global_step_s, batch_stats_s, overhead}: the
+    step with BatchNorm over each rank's share against over the global batch. The sums sit on
+    the training thread's critical path while buckets reduce beside it (MPI_THREAD_MULTIPLE):
+    forward grows by its sums, and backward finalizes every layer after a BatchNorm later by
+    that layer's sum, so the plan is priced at those later ready times. (Where MPI serializes
+    threads a sum also waits for the buckets handed off before it: not modelled.)"""
+    rows = []
+    for n in nodes:
+        local = predict_step(prof, link, n, mode, bucket_bytes=bucket_bytes)
+        forward, backward, per_layer = batchnorm_sums_s(prof, link, n)
+        delay = np.zeros(len(prof["ready_s"]))
+        for (index, _), seconds in zip(prof["batchnorm"], per_layer):
+            delay[index:] += seconds
+        later = dict(prof, forward_s=prof["forward_s"] + forward,
+                     backward_s=prof["backward_s"] + backward,
+                     ready_s=list(np.asarray(prof["ready_s"]) + delay))
+        globl = predict_step(later, link, n, mode, bucket_bytes=bucket_bytes)
+        rows.append({"model": prof["model"], "nodes": n, "mode": mode,
+                     "local_step_s": local["step_s"], "global_step_s": globl["step_s"],
+                     "batch_stats_s": forward + backward,
+                     "overhead": globl["step_s"] / local["step_s"] - 1})
     return rows
 
 
@@ -469,23 +526,9 @@ def run(quick=False):
         notes.append(f"loopback-fit: skipped ({exc}; run python -m perf allreduce)")
     probes = cluster_probes()
     cluster_records = _records(_load("cluster.json"))
-
-    def emulated_fit(rate_gbit):
-        # Preferred: dynar's own algorithms measured on the emulated hosts at this rate (the
-        # cluster suite's allreduce part), fitted like the loopback link; else the probes.
-        samples = loopback_samples(cluster_records, f"@ {rate_gbit:g}gbit")
-        try:
-            fitted = costmodel.fit_link(samples)
-            if not fitted.beta > 0:
-                raise ValueError("no per-byte wire cost")
-            return fitted, {"source": f"fit_link over {len(samples)} emulated-cluster "
-                                      f"allreduce records at {rate_gbit:g} Gbit/s"}
-        except ValueError:
-            return emulated_link(probes, gamma, rate_gbit,
-                                 fallback_alpha=loop_link.alpha if loop_link else 5e-6)
-
     emulated = loopback_samples(cluster_records, f"@ {VALIDATION_GBIT:g}gbit")
-    emu, emu_info = emulated_fit(VALIDATION_GBIT)
+    emu, emu_info = emulated_fit(VALIDATION_GBIT, gamma,
+                                 fallback_alpha=loop_link.alpha if loop_link else 5e-6)
     links["emulated-fit"] = (emu, emu_info)
     if not probes and not emulated:
         notes.append("emulated-fit: perf/results/cluster.json has no MPI_Allreduce probes; "

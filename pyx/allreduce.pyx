@@ -26,9 +26,13 @@ Collective at a time (MPI_THREAD_SERIALIZED). `start_mean` posts MPI_Iallreduce 
 MPI libraries without thread support (progress by Pending.test() calls).
 
 Ring allreduce can carry fp16 or bf16 on the wire (`wire=`), summing in float32: half the
-bytes, at the cost of rounding each partial sum; `compress_with_feedback` rounds a rank's own
-contribution first and keeps the rounding error for the next step (error feedback).
+bytes, at the cost of rounding each partial result; `compress_with_feedback` rounds a rank's
+own contribution first and keeps the rounding error for the next step (error feedback). What
+travels is a running mean, never a running sum: a sum of p values within fp16's range can
+leave it (65504), a mean of them cannot; and a contribution beyond the range is sent as the
+largest finite value, the excess kept in the residual.
 """
+from libc.math cimport isfinite
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
@@ -37,7 +41,8 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, nanosleep, timespec
 cimport numpy as cnp
 
 from mpi4py.libmpi cimport (MPI_Aint, MPI_Comm, MPI_COMM_NULL, MPI_Datatype, MPI_DOUBLE,
-                            MPI_FLOAT, MPI_IN_PLACE, MPI_INFO_NULL, MPI_MODE_NOCHECK,
+                            MPI_Error_string, MPI_FLOAT, MPI_IN_PLACE, MPI_INFO_NULL,
+                            MPI_MAX_ERROR_STRING, MPI_MODE_NOCHECK,
                             MPI_PROC_NULL, MPI_Request, MPI_STATUS_IGNORE, MPI_STATUSES_IGNORE,
                             MPI_SUCCESS, MPI_SUM, MPI_UINT16_T, MPI_Win, MPI_WIN_NULL,
                             MPI_Allreduce, MPI_Comm_size, MPI_Finalized, MPI_Iallreduce,
@@ -48,14 +53,11 @@ from mpi4py.MPI cimport Comm, Win
 
 from _validate cimport F32, FloatKind, check_float, check_real, data, float_kind
 
-from dynar.dist import wire
-from dynar.dist.algorithms import ALGORITHMS
-from dynar.dist.nodes import split_by_node
-
 cnp.import_array()
 
 cdef extern from "mpi_vendor.h":
     const char* DYNAR_MPI_VENDOR
+    const char* DYNAR_MPI_VERSION
 
 cdef extern from "wire16.h" nogil:
     uint16_t dynar_f32_to_f16(float)
@@ -64,13 +66,13 @@ cdef extern from "wire16.h" nogil:
     float dynar_bf16_to_f32(uint16_t)
 
 COMPILED_VENDOR = DYNAR_MPI_VENDOR.decode()
-WIRES = wire.FORMATS
+COMPILED_VERSION = DYNAR_MPI_VERSION.decode()
 
 # MPI counts are C ints: one message carries at most this many elements.
 DEF MAX_PART = 1 << 30
 # The MPI algorithm works in pieces of this many elements (4 MB of float32) and scales each
 # while it is still in cache: on shared memory Open MPI reduces 93 MB in 25 MB pieces 4x
-# faster than in one call (docs/PERFORMANCE.md).
+# faster than in one call (docs/notes/2026-11-30-communication-progress.md).
 DEF PIECE = 1 << 20
 # Ring steps travel in segments of this many elements, so that summing a received segment
 # overlaps the transfer of the next one.
@@ -87,17 +89,21 @@ DEF TAG = 7401
 DEF SPIN_NS = 50000
 DEF SLEEP_NS = 20000
 
-cdef enum Algorithm:     # in the order of ALGORITHMS (dist/algorithms.py)
+# The ids the Python side passes in: dist/algorithms.py and dist/wire.py name them, in
+# this order.
+cdef enum Algorithm:
     ALG_MPI = 0
     ALG_RING = 1
     ALG_RECURSIVE_DOUBLING = 2
     ALG_RABENSEIFNER = 3
     ALG_HIERARCHICAL = 4
+    ALGORITHM_COUNT = 5
 
 cdef enum Wire:
     WIRE_NATIVE = 0
     WIRE_FP16 = 1
     WIRE_BF16 = 2
+    WIRE_COUNT = 3
 
 # Returned by the nogil algorithms when malloc fails (MPI error codes are >= 0).
 DEF OUT_OF_MEMORY = -1
@@ -179,14 +185,22 @@ cdef inline uint16_t _narrow(Wire wire, float v) noexcept nogil:
 
 
 cdef void _accumulate_wire(Wire wire, float* dst, const uint16_t* src, Py_ssize_t n,
-                           float factor) noexcept nogil:
+                           int carried) noexcept nogil:
+    # src is the mean of `carried` ranks' values, dst this rank's own: dst becomes the mean of
+    # all carried + 1, which stays within the range of the values themselves.
     cdef Py_ssize_t i
+    cdef float weight = <float> carried, count = <float> (carried + 1)
     if wire == WIRE_FP16:
         for i in range(n):
-            dst[i] = (dst[i] + dynar_f16_to_f32(src[i])) * factor
+            dst[i] = (dynar_f16_to_f32(src[i]) * weight + dst[i]) / count
     else:
         for i in range(n):
-            dst[i] = (dst[i] + dynar_bf16_to_f32(src[i])) * factor
+            dst[i] = (dynar_bf16_to_f32(src[i]) * weight + dst[i]) / count
+
+
+# The largest finite value of each wire format: 65504 (fp16), 0x7f7f as bfloat16.
+cdef inline float _wire_max(Wire wire) noexcept nogil:
+    return 65504.0 if wire == WIRE_FP16 else 3.3895313892515355e38
 
 
 cdef void _narrow_all(Wire wire, uint16_t* dst, const float* src, Py_ssize_t n) noexcept nogil:
@@ -280,9 +294,12 @@ cdef int _sendrecv(MPI_Comm comm, MPI_Datatype dtype, size_t item,
 
 
 cdef int _send_and_sum(Ctx* c, const char* send, Py_ssize_t nsend, int dest,
-                       char* dst, Py_ssize_t nrecv, int source, double factor) noexcept nogil:
+                       char* dst, Py_ssize_t nrecv, int source, double factor,
+                       int carried) noexcept nogil:
     # Send `send` to dest while receiving source's values for `dst` segment by segment and
-    # summing each one in as soon as it lands: dst = (dst + received) * factor.
+    # summing each one in as soon as it lands: dst = (dst + received) * factor; on a 16-bit
+    # wire the received values are the mean of `carried` ranks' and dst becomes the mean
+    # with its own (factor unused).
     cdef Py_ssize_t nseg_s = (nsend + SEGMENT - 1) // SEGMENT
     cdef Py_ssize_t nseg_r = (nrecv + SEGMENT - 1) // SEGMENT
     cdef Py_ssize_t i, length
@@ -323,8 +340,7 @@ cdef int _send_and_sum(Ctx* c, const char* send, Py_ssize_t nsend, int dest,
                             length, factor)
             else:
                 _accumulate_wire(c.wire, <float*> dst + i * SEGMENT,
-                                 <const uint16_t*> c.scratch + i * SEGMENT, length,
-                                 <float> factor)
+                                 <const uint16_t*> c.scratch + i * SEGMENT, length, carried)
     err2 = _wait_all(<int> nseg_s, requests + nseg_r)
     free(requests)
     return err if err != MPI_SUCCESS else err2
@@ -336,14 +352,16 @@ cdef int _ring(Ctx* c, char* buf, Py_ssize_t n, double factor) noexcept nogil:
     cdef int p = c.size, r = c.rank, s, sk, rk, err
     cdef int right = _mod(r + 1, p), left = _mod(r - 1, p)
     cdef size_t item = c.item
-    # Reduce-scatter: at step s pass chunk r-s on and sum chunk r-s-1 in; afterwards rank r
-    # holds chunk r+1 complete (and scaled: the last step's sum applies the factor).
+    # Reduce-scatter: at step s pass chunk r-s on and sum chunk r-s-1 in (it arrives holding
+    # s + 1 ranks' values); afterwards rank r holds chunk r+1 complete (and scaled: the last
+    # step's sum applies the factor, or on a 16-bit wire, is the mean of all p).
     for s in range(p - 1):
         sk = _mod(r - s, p)
         rk = _mod(r - s - 1, p)
         err = _send_and_sum(c, buf + _chunk_offset(n, p, sk) * item, _chunk_length(n, p, sk),
                             right, buf + _chunk_offset(n, p, rk) * item,
-                            _chunk_length(n, p, rk), left, factor if s == p - 2 else 1.0)
+                            _chunk_length(n, p, rk), left, factor if s == p - 2 else 1.0,
+                            s + 1)
         if err != MPI_SUCCESS:
             return err
     if c.wire == WIRE_NATIVE:
@@ -517,12 +535,12 @@ cdef void _scale(void* buf, Py_ssize_t n, FloatKind kind, double factor) noexcep
 cdef class Collective:
     """Allreduce-mean over one communicator with a choice of algorithm.
 
-    Collective(comm, node_key=None): collective over `comm`. Ranks on one node are found by
-    MPI_Comm_split_type(SHARED), or grouped by `node_key` (equal keys = one node; a test and
-    emulation override, they must still share memory). Then
-    allreduce_mean(buf, algorithm="mpi", wire=None) reduces `buf` (1-D float32/float64,
-    C-contiguous) in place to the mean over ranks. Every rank must make the same sequence of
-    calls with the same sizes and algorithms."""
+    Collective(comm, local, reduce_threads=1): collective over `comm`; `local` holds the
+    ranks of `comm` that form this rank's node (they must share memory), in `comm`'s order.
+    Both are duplicated, so these messages never match the caller's. Then
+    allreduce_mean(buf, algorithm, wire) reduces `buf` (1-D float32/float64, C-contiguous)
+    in place to the mean over ranks; algorithm and wire are the ids of the enums above.
+    Every rank must make the same sequence of calls with the same sizes and algorithms."""
     cdef object _comm, _local, _leaders
     cdef MPI_Comm comm, local, leaders
     cdef readonly int rank, size, local_rank, local_size, nodes
@@ -537,11 +555,11 @@ cdef class Collective:
     def __cinit__(self):
         self.window = MPI_WIN_NULL
 
-    def __init__(self, Comm comm not None, node_key=None, reduce_threads=1):
+    def __init__(self, Comm comm not None, Comm local not None, reduce_threads=1):
         from mpi4py import MPI
-        self._comm = comm.Dup()       # private: our messages never match the caller's
+        self._comm = comm.Dup()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
-        self._local = split_by_node(self._comm, node_key)
+        self._local = local.Dup()
         self.local_rank, self.local_size = self._local.Get_rank(), self._local.Get_size()
         self._leaders = self._comm.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, self.rank)
         self.nodes = self._comm.allreduce(1 if self.local_rank == 0 else 0)
@@ -604,7 +622,7 @@ cdef class Collective:
             err = MPI_Win_lock_all(MPI_MODE_NOCHECK, self.window)
         if err != MPI_SUCCESS:
             raise RuntimeError(f"hierarchical allreduce: cannot create the node's shared "
-                               f"window (MPI error {err})")
+                               f"window: {mpi_error_text(err)}")
         return 0
 
     cdef int _node_barrier(self) noexcept nogil:
@@ -652,7 +670,7 @@ cdef class Collective:
         free(others)
         return err
 
-    def allreduce_mean(self, buf, algorithm="mpi", wire=None, threads=None):
+    def allreduce_mean(self, buf, int algorithm, int wire=WIRE_NATIVE, threads=None):
         """Reduce `buf` in place to the mean over the communicator's ranks, summing large
         chunks with `threads` OpenMP threads (default: reduce_threads). A caller that runs
         beside busy compute threads passes 1: a second team would compete for their cores."""
@@ -662,8 +680,8 @@ cdef class Collective:
         cdef Algorithm alg = _algorithm(algorithm)
         cdef Wire w = _wire(wire)
         if w != WIRE_NATIVE and (alg != ALG_RING or kind != F32):
-            raise ValueError(f"wire={wire!r} needs algorithm='ring' and a float32 buffer, "
-                             f"got algorithm={algorithm!r} on {a.dtype}")
+            raise ValueError(f"a 16-bit wire needs the ring algorithm and a float32 buffer, "
+                             f"got algorithm id {algorithm} on {a.dtype}")
         cdef Ctx c, lead
         c.comm, c.rank, c.size = self.comm, self.rank, self.size
         c.kind = kind
@@ -711,47 +729,62 @@ cdef class Collective:
             else:
                 err = self._hierarchical(&c, &lead, p, n, factor)
         if err == OUT_OF_MEMORY:
-            raise MemoryError(f"{algorithm} allreduce: out of memory for MPI requests")
+            raise MemoryError(f"allreduce (algorithm id {algorithm}): out of memory for MPI "
+                              f"requests")
         if err != MPI_SUCCESS:
-            raise RuntimeError(f"{algorithm} allreduce failed with MPI error code {err}")
+            raise RuntimeError(f"allreduce (algorithm id {algorithm}) of {n} elements failed: "
+                               f"{mpi_error_text(err)}")
 
 
-cdef Algorithm _algorithm(object name) except *:
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm: unknown allreduce algorithm {name!r}; choose one of "
-                         f"{', '.join(ALGORITHMS)}")
-    cdef int index = ALGORITHMS.index(name)
-    return <Algorithm> index
+def mpi_error_text(int err):
+    """The MPI library's words for error code `err`, with the code."""
+    cdef char text[MPI_MAX_ERROR_STRING + 1]
+    cdef int length = 0
+    if MPI_Error_string(err, text, &length) != MPI_SUCCESS:
+        return f"MPI error code {err}"
+    return f"{text[:length].decode(errors='replace')} (MPI error code {err})"
 
 
-cdef Wire _wire(object name) except *:
-    if name is None:
-        return WIRE_NATIVE
-    if name not in WIRES:
-        raise ValueError(f"wire: unknown wire format {name!r}; choose fp16, bf16 or None")
-    return WIRE_FP16 if name == "fp16" else WIRE_BF16
+cdef Algorithm _algorithm(int algorithm) except *:
+    if not 0 <= algorithm < ALGORITHM_COUNT:
+        raise ValueError(f"algorithm: no allreduce algorithm has id {algorithm}")
+    return <Algorithm> algorithm
 
 
-def compress_with_feedback(grad, residual, wire):
+cdef Wire _wire(int wire) except *:
+    if not 0 <= wire < WIRE_COUNT:
+        raise ValueError(f"wire: no wire format has id {wire}")
+    return <Wire> wire
+
+
+def compress_with_feedback(grad, residual, int wire):
     """Error-feedback rounding of one rank's gradient to the wire format, in place:
     g <- round(g + residual), residual <- (g + residual) - round(g + residual). The rounded
     values are exact in the wire format, so the first hop of a wire ring loses nothing, and
-    what rounding dropped this step is added back the next."""
+    what rounding dropped this step is added back the next. round() saturates at the
+    format's largest finite value; a non-finite g + residual is passed on unrounded and
+    leaves its residual as it was."""
     cdef cnp.ndarray g = check_float("grad", grad, 1, F32, output=True)
     cdef cnp.ndarray r = check_float("residual", residual, 1, F32, output=True)
     if g.shape[0] != r.shape[0]:
         raise ValueError(f"residual: expected {g.shape[0]} elements like grad, got {r.shape[0]}")
     cdef Wire w = _wire(wire)
     if w == WIRE_NATIVE:
-        raise ValueError("wire: compression needs 'fp16' or 'bf16'")
+        raise ValueError("wire: compression needs a 16-bit wire format")
     cdef float* gp = <float*> data(g)
     cdef float* rp = <float*> data(r)
     cdef Py_ssize_t i, n = g.shape[0]
-    cdef float want, sent
+    cdef float want, sent, largest = _wire_max(w)
     with nogil:
         for i in range(n):
             want = gp[i] + rp[i]
-            sent = _widen(w, _narrow(w, want))
+            if not isfinite(want):
+                # Sent as it is, for the step's non-finite check to see; the residual keeps
+                # what it had, so a skipped step leaves the next ones unharmed.
+                gp[i] = want
+                continue
+            # Beyond the format's range: the largest finite value, the excess carried over.
+            sent = _widen(w, _narrow(w, min(max(want, -largest), largest)))
             rp[i] = want - sent
             gp[i] = sent
 
@@ -781,24 +814,38 @@ cdef class Pending:
         _scale(self.ptr, self.n, self.kind, self.factor)
         self.done = True
 
+    cdef int _failed(self, str call, int err) except -1:
+        # The requests are in an undefined state: never wait for them again (the job is
+        # ending; the buffer stays referenced by this object).
+        self.done = True
+        raise RuntimeError(f"MPI_Iallreduce of {self.n} elements: {call} failed: "
+                           f"{mpi_error_text(err)}")
+
     def test(self):
-        """Progress the reduction without blocking; True once complete (and scaled)."""
-        cdef int flag = 1
+        """Progress the reduction without blocking; True once complete (and scaled).
+        RuntimeError naming the MPI error if the library reports one."""
+        cdef int flag = 1, err
         if self.done:
             return True
         with nogil:
-            MPI_Testall(self.count, self.requests, &flag, MPI_STATUSES_IGNORE)
-            if flag:
+            err = MPI_Testall(self.count, self.requests, &flag, MPI_STATUSES_IGNORE)
+            if err == MPI_SUCCESS and flag:
                 self._finish()
+        if err != MPI_SUCCESS:
+            self._failed("MPI_Testall", err)
         return bool(flag)
 
     def wait(self):
-        """Block until the reduction is complete (and scaled)."""
+        """Block until the reduction is complete (and scaled); RuntimeError as test()."""
+        cdef int err
         if self.done:
             return
         with nogil:
-            MPI_Waitall(self.count, self.requests, MPI_STATUSES_IGNORE)
-            self._finish()
+            err = MPI_Waitall(self.count, self.requests, MPI_STATUSES_IGNORE)
+            if err == MPI_SUCCESS:
+                self._finish()
+        if err != MPI_SUCCESS:
+            self._failed("MPI_Waitall", err)
 
 
 def start_mean(buf, Comm comm not None):
@@ -837,7 +884,7 @@ def start_mean(buf, Comm comm not None):
                 break
     if err != MPI_SUCCESS:
         p.count = i   # only the posted ones are waited for on deallocation
-        raise RuntimeError(f"MPI_Iallreduce failed with error code {err}")
+        raise RuntimeError(f"MPI_Iallreduce of {n} elements failed: {mpi_error_text(err)}")
     return p
 
 
@@ -853,7 +900,7 @@ def window_barrier(Comm node not None, Win window not None):
     with nogil:
         err = _window_barrier(c, w)
     if err != MPI_SUCCESS:
-        raise RuntimeError(f"node barrier failed with MPI error code {err}")
+        raise RuntimeError(f"node barrier failed: {mpi_error_text(err)}")
 
 
 def mean_into(out, others, factor, threads=1):

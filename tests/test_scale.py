@@ -192,3 +192,18 @@ def test_without_spare_cores_every_plan_exposes_all_its_communication():
     assert scale.predict_step(prof, LINK, p, "buckets")["exposed_s"] < buckets
     # Dynamic sync keeps the cheapest candidate it tries: never more than fused.
     assert scale.predict_step(prof, LINK, p, "dynamic", overlap=False)["exposed_s"] <= fused
+
+
+def test_global_batchnorm_costs_its_sums_on_the_critical_path_and_nothing_on_one_node():
+    # Two BatchNorm layers of 64 and 512 channels among 8 layers, fused sync (nothing
+    # overlaps, so the backward delay is not hidden by the buckets either).
+    prof = dict(synthetic_profile(), batchnorm=[[1, 64], [5, 512]])
+    rows = {r["nodes"]: r for r in scale.predict_batchnorm(prof, LINK, mode="fused")}
+    assert rows[1]["batch_stats_s"] == 0.0 and rows[1]["overhead"] == 0.0
+    for n in (8, 512):
+        steps = np.log2(n)                 # recursive doubling: log2 p exchanges of n bytes
+        one = lambda values: steps * (LINK.alpha + values * 8 * (LINK.beta + LINK.gamma))  # noqa: E731
+        expected = sum(one(c + 1) + one(c) + one(2 * c) for c in (64, 512))
+        assert rows[n]["batch_stats_s"] == pytest.approx(expected)
+        assert rows[n]["global_step_s"] - rows[n]["local_step_s"] == pytest.approx(expected)
+    assert rows[512]["overhead"] > rows[8]["overhead"] > 0

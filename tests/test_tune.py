@@ -4,24 +4,30 @@ import json
 import subprocess
 import sys
 
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, launcher_is_hydra, run_mpi
 
 
 def test_tune_writes_a_file_that_training_then_loads(tmp_path):
     # Each rank keeping its own replica: with one shared replica on this single node there
     # would be no allreduce among nodes to tune or plan (the next test).
     env = {"DYNAR_TUNE_DIR": str(tmp_path), "DYNAR_NODE_REPLICA": "off"}
-    done = run_mpi(2, ["-m", "dynar.tune", "--sizes", "4096,65536,1048576", "--repeats", "2"],
+    # Up to 8 MB: a loaded machine's scheduling noise (0.4 ms on a 4 KB call, seen) must not
+    # hide the per-byte cost.
+    done = run_mpi(2, ["-m", "dynar.tune", "--sizes", "4096,1048576,8388608", "--repeats", "2"],
                    env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1, files
     saved = json.loads(files[0].read_text())
-    assert saved["meta"]["ranks"] == 2 and saved["meta"]["sizes"] == [4096, 65536, 1048576]
+    assert saved["meta"]["ranks"] == 2 and saved["meta"]["sizes"] == [4096, 1048576, 8388608]
     algorithms = saved["model"]["algorithms"]
     assert set(algorithms) == {"mpi", "ring", "recursive_doubling", "rabenseifner",
                                "hierarchical"}
-    assert all(c["alpha"] >= 0 and c["beta"] > 0 for c in algorithms.values()), algorithms
+    # MPICH's busy-polling ranks on a shared 2-core machine made 1 MB allreduces no slower
+    # than 4 KB ones (the notes of 2026-12-02): a fit with no per-byte cost is all it gives.
+    assert all(c["alpha"] >= 0 and c["beta"] >= 0 for c in algorithms.values()), algorithms
+    if not launcher_is_hydra():
+        assert all(c["beta"] > 0 for c in algorithms.values()), algorithms
 
     log = tmp_path / "log.jsonl"
     done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "12",
@@ -31,6 +37,18 @@ def test_tune_writes_a_file_that_training_then_loads(tmp_path):
              if '"plan"' in line]
     assert plans and plans[0]["source"] == f"tuning file {files[0].stem}", plans
     assert len(list(tmp_path.glob("*.json"))) == 1     # loaded, not re-tuned
+
+    # A damaged file (a NaN cost) is re-tuned with a warning, and replaced.
+    saved["model"]["algorithms"]["ring"]["beta"] = float("nan")
+    files[0].write_text(json.dumps(saved))
+    log.unlink()
+    done = run_mpi(2, ["-m", "dynar.train", "--dataset", "synthetic", "--max-steps", "8",
+                       "--eval-every", "0", "--threads", "1", "--log", str(log)], env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"warning: {files[0]}: " in done.stderr and "tuning again" in done.stderr
+    plans = [json.loads(line) for line in log.read_text().splitlines() if '"plan"' in line]
+    assert plans[0]["source"].startswith("brief tune"), plans
+    assert "NaN" not in files[0].read_text()
 
 
 def test_a_tuning_file_that_cannot_be_written_does_not_stop_training(tmp_path):

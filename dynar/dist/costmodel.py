@@ -1,7 +1,7 @@
 """What an allreduce costs: the α-β-γ model of each algorithm, fitted to measurements.
 
-Dynamic Allreduce (DESIGN.md) picks bucket boundaries and one algorithm per bucket by
-predicting how long each candidate allreduce takes. Two levels of model serve that:
+Dynamic Allreduce (docs/DESIGN.md) picks bucket boundaries and one algorithm per bucket
+by predicting how long each candidate allreduce takes. Two levels of model serve that:
 
 - `LinkModel` (α, β, γ): the machine. α is the latency of one message step, β the seconds
   per byte on the wire, γ the seconds per byte reduced (or streamed through memory). With
@@ -13,34 +13,32 @@ predicting how long each candidate allreduce takes. Two levels of model serve th
   structural model misses (the MPI library's own choices, contention, intra-node links).
 
 `CostModel` holds the per-algorithm costs of one communicator; the planner only calls its
-`time(algorithm, nbytes)` and reads `algorithms`. Tuned models are saved under a key naming
-the job's shape (ranks, nodes, MPI library, hosts) so later runs can skip the measurements.
+`time(algorithm, nbytes)` and reads `algorithms`. Measuring, and the tuning files that keep
+a measured model for later jobs of the same shape, are tuning.py's.
 
 Pure Python/numpy on purpose: planning and fitting must be testable without MPI.
 """
-import hashlib
-import json
 import math
-import os
-import re
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
 
 from .algorithms import ALGORITHMS
 
-_TUNING_FORMAT = "dynar-tuning"
-_TUNING_VERSION = 1
-
-
-def _check_ranks(ranks, ranks_per_node):
+def check_ranks(ranks, ranks_per_node):
     if int(ranks) != ranks or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
     if int(ranks_per_node) != ranks_per_node or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+
+
+def _price(value, what):
+    """`value` as a cost (seconds, or seconds per byte): a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _check_algorithm(algorithm):
@@ -84,7 +82,7 @@ def terms(algorithm, ranks, ranks_per_node=1):
     the model prices every step at the slowest (inter-node) link.
     """
     _check_algorithm(algorithm)
-    _check_ranks(ranks, ranks_per_node)
+    check_ranks(ranks, ranks_per_node)
     p = int(ranks)
     if p == 1:
         return 0.0, 0.0, 0.0
@@ -161,7 +159,7 @@ def _sample_fields(sample):
                              f"nbytes, seconds)")
     algorithm, ranks, ranks_per_node, nbytes, seconds = fields
     _check_algorithm(algorithm)
-    _check_ranks(ranks, ranks_per_node)
+    check_ranks(ranks, ranks_per_node)
     if not nbytes > 0 or not seconds > 0 or not math.isfinite(seconds):
         raise ValueError(f"sample {sample!r}: nbytes and seconds must be positive")
     return algorithm, int(ranks), int(ranks_per_node), float(nbytes), float(seconds)
@@ -245,7 +243,7 @@ class CostModel:
     counts and for the record)."""
 
     def __init__(self, ranks, ranks_per_node, costs, link=None):
-        _check_ranks(ranks, ranks_per_node)
+        check_ranks(ranks, ranks_per_node)
         if not costs:
             raise ValueError("a CostModel needs at least one algorithm")
         for algorithm, cost in costs.items():
@@ -304,14 +302,16 @@ class CostModel:
 
     @classmethod
     def from_json(cls, data):
-        """The CostModel a to_json() dict describes; ValueError if it is malformed."""
+        """The CostModel a to_json() dict describes; ValueError if it is malformed (a
+        missing field, a cost that is not a finite number >= 0)."""
         try:
-            costs = {a: AlgorithmCost(alpha=float(c["alpha"]), beta=float(c["beta"]))
+            costs = {a: AlgorithmCost(alpha=_price(c["alpha"], f"{a} alpha"),
+                                      beta=_price(c["beta"], f"{a} beta"))
                      for a, c in data["algorithms"].items()}
             link = data["link"]
             if link is not None:
-                link = LinkModel(alpha=float(link["alpha"]), beta=float(link["beta"]),
-                                 gamma=float(link["gamma"]))
+                link = LinkModel(**{k: _price(link[k], f"link {k}")
+                                    for k in ("alpha", "beta", "gamma")})
             return cls(data["ranks"], data["ranks_per_node"], costs, link=link)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a cost model description ({type(exc).__name__}: {exc})") \
@@ -325,86 +325,3 @@ class CostModel:
     def __repr__(self):
         return (f"CostModel(ranks={self.ranks}, ranks_per_node={self.ranks_per_node}, "
                 f"costs={self._costs!r}, link={self.link!r})")
-
-
-# -- tuning files -------------------------------------------------------------------------
-
-
-def tuning_key(ranks, ranks_per_node, mpi_library, hostnames):
-    """A short stable hex key for a job shape: the same ranks, ranks per node, MPI library
-    (e.g. its version string) and hosts give the same key, whatever order the hostnames come
-    in (pass one name per rank or per node, consistently)."""
-    _check_ranks(ranks, ranks_per_node)
-    fields = {"ranks": int(ranks), "ranks_per_node": int(ranks_per_node),
-              "mpi_library": str(mpi_library), "hostnames": sorted(map(str, hostnames))}
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-    return digest[:16]
-
-
-def tuning_dir():
-    """Where tuning files live: $DYNAR_TUNE_DIR, else ~/.cache/dynar/tune."""
-    env = os.environ.get("DYNAR_TUNE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "dynar" / "tune"
-
-
-def _tuning_path(key, directory):
-    # The key becomes a file name: keep it to characters that cannot leave the directory.
-    if not isinstance(key, str) or not re.fullmatch(r"[0-9A-Za-z_-]+", key):
-        raise ValueError(f"tuning key must be letters, digits, '_' or '-', got {key!r}")
-    return Path(directory if directory is not None else tuning_dir()) / f"{key}.json"
-
-
-def save_tuning(model, key, meta, directory=None):
-    """Write `model` under `key` (into `directory`, default tuning_dir()); returns the path.
-
-    meta: a json-serializable dict stored alongside, meant to hold the fields the key was
-    made from (ranks, ranks_per_node, mpi_library, hostnames) and anything else worth
-    keeping (date, dynar version), so a file explains itself. The file is written to a
-    temporary name and renamed over the target, so concurrent readers (other ranks, other
-    jobs) see the old file or the new one, never half of one."""
-    path = _tuning_path(key, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"format": _TUNING_FORMAT, "version": _TUNING_VERSION, "key": key,
-                       "meta": meta, "model": model.to_json()}, indent=2, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
-
-
-def load_tuning(key, directory=None, largest=0):
-    """The CostModel saved under `key`, or None if there is none, or if its largest measured
-    message is below `largest` bytes (the job would price its big buckets off a fit made on
-    small ones: a LeNet job's brief tune, reused by AlexNet on the same hosts, chose
-    Rabenseifner at 2x the ring's time). A file that is not valid JSON, not a dynar tuning
-    file, or saved under another key raises ValueError naming it."""
-    path = _tuning_path(key, directory)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: corrupt tuning file ({exc}); delete it to re-tune") from None
-    if not isinstance(data, dict) or data.get("format") != _TUNING_FORMAT:
-        raise ValueError(f"{path}: not a dynar tuning file; delete it to re-tune")
-    if data.get("version") != _TUNING_VERSION:
-        raise ValueError(f"{path}: tuning file version {data.get('version')!r}, this dynar "
-                         f"reads version {_TUNING_VERSION}; delete it to re-tune")
-    if data.get("key") != key:
-        raise ValueError(f"{path}: holds key {data.get('key')!r}, expected {key!r}")
-    measured = (data.get("meta") or {}).get("sizes") or [largest]
-    if max(measured) < largest:
-        return None
-    try:
-        return CostModel.from_json(data.get("model"))
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}; delete it to re-tune") from None

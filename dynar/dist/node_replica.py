@@ -16,10 +16,10 @@ velocity, and a node barrier ends the step before anyone reads a parameter again
 
 Per rank and step, averaging reads every rank's part and writes one, (L+1)/L of the
 gradient's bytes, and the optimizer does 1/L of the work, against copying the whole gradient
-in and out of shared memory and updating the whole model (docs/PERFORMANCE.md has the
-measurements). Replicas stay
-identical for free inside a node (there is one), and across nodes because each part's
-inputs and summation order are the same on every node.
+in and out of shared memory and updating the whole model (measured:
+docs/notes/2026-12-01-node-replica.md). Replicas stay identical for free inside a node (there
+is one), and across nodes because each part's inputs and summation order are the same on
+every node.
 
 Used when every node runs the same number of ranks (more than one) and the wire is not
 compressed; otherwise, or with DYNAR_NODE_REPLICA=off (for comparisons), each rank keeps its
@@ -85,18 +85,19 @@ def split(comm):
 
 
 class NodeReplica:
-    """Moves `model`'s flat buffers into node-shared memory (collective over `comm`).
+    """Moves `model`'s flat buffers and `optimizer`'s velocity (an SGD over all of the
+    model's parameters, or None) into node-shared memory, keeping local rank 0's values
+    (collective over `comm`).
 
-    Then: `momentum` is the shared velocity to hand the optimizer (momentum_storage=), and
-    `cross` the communicator of the ranks with this rank's node index on every node, which
-    average the same parts. Each step: average() every bucket, then update the ranges
-    take_averaged() returns, then barrier(). close() (collective) moves the model back to
-    private memory; an optimizer holding `momentum` must not step after it."""
+    Then `cross` is the communicator of the ranks with this rank's node index on every node,
+    which average the same parts. Each step: average() every bucket, then update the ranges
+    take_averaged() returns, then barrier(). close() (collective) moves model and optimizer
+    back to private memory, holding the values they had."""
 
-    def __init__(self, model, comm):
+    def __init__(self, model, optimizer, comm):
         MPI = runtime.mpi()
         self._ar = runtime.allreduce()
-        self._model = model
+        self._model, self._optimizer = model, optimizer
         self.node, self.cross = split(comm)
         self.size, self.rank = self.node.Get_size(), self.node.Get_rank()
         n = model.flat_params.size
@@ -111,12 +112,15 @@ class NodeReplica:
         segments = [self._segment(r) for r in range(self.size)]
         self.params, self.momentum = segments[0][n:2 * n], segments[0][2 * n:3 * n]
         self.grads = [segment[:n] for segment in segments]
+        velocity = None if optimizer is None else optimizer.momentum_buffer
         if self.rank == 0:
             self.params[:] = model.flat_params
-            self.momentum.fill(0)
+            self.momentum[:] = 0 if velocity is None else velocity
         self.grads[self.rank].fill(0)
         self.barrier()
         model.place_flat_buffers(self.params, self.grads[self.rank])
+        if optimizer is not None:
+            optimizer.relocate(None if velocity is None else self.momentum)
         self._averaged = []
 
     def _segment(self, rank):
@@ -152,20 +156,34 @@ class NodeReplica:
         self._averaged.append((lo, hi))
         return lo, hi
 
+    def averaged(self):
+        """The (lo, hi) ranges this rank has averaged since take_averaged() last ran: its
+        parts of this step's averaged gradient (the node's other ranks hold the rest)."""
+        return list(self._averaged)
+
     def take_averaged(self):
         """The (lo, hi) ranges this rank has averaged since the last call: the slices of the
         shared parameters its optimizer step updates (the node's other ranks update the rest)."""
         ranges, self._averaged = self._averaged, []
         return ranges
 
+    def leave(self):
+        """Give model and optimizer private copies of the shared buffers (not collective:
+        also the way out after an error, when the other ranks may be anywhere)."""
+        self._model.place_flat_buffers(self.params.copy(), self.grads[self.rank].copy())
+        if self._optimizer is not None:
+            velocity = self._optimizer.momentum_buffer
+            self._optimizer.relocate(None if velocity is None else velocity.copy())
+
     def describe(self):
         """What every rank of the job must agree on."""
         return {"ranks per node": self.size, "nodes": self.cross.Get_size()}
 
     def close(self):
-        """Collective: give the model private copies of its buffers and free the window."""
+        """Collective: give model and optimizer private copies of their buffers and free the
+        window."""
         self.barrier()
-        self._model.place_flat_buffers(self.params.copy(), self.grads[self.rank].copy())
+        self.leave()
         self.barrier()
         self._window.Unlock_all()
         self._window.Free()

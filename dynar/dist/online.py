@@ -1,55 +1,31 @@
 """Dynamic Allreduce's online part: measure, plan, try, keep, and re-plan on drift.
 
-The planner's model knows message costs and when backward finalizes each layer, but not
-what communicating *during* backward does to backward itself: on a node whose cores all
-compute, the communication thread's copies and sums take cycles from the compute threads
-(on this 2-core machine AlexNet's backward runs ~30% slower while buckets reduce beside it).
-So the plan the model prefers is not trusted blindly: it is tried against the two baselines
-it must beat (everything after backward, and DDP-style 25 MB buckets), each with the
-model's cheapest algorithm per bucket, with the MPI library's own, and with the cheapest of
-dynar's own, a few steps each, and the fastest *measured* wins (a plan with more buckets
-only by more than TIE). The model's prices come from a brief tune (a few timed calls per
-size, up to 32 MB), so its cheapest is only a guess where algorithms are close: on 4
-emulated hosts at 10 Gbit/s a brief tune priced the library's allreduce cheapest for
-AlexNet's 89 MB, and with trials of that algorithm alone dynamic ran 4% behind the best
-fixed mode; in launches whose tune priced one of dynar's cheapest, the trials chose it and
-ran 4-7% ahead.
+The planner's model prices messages and knows when backward finalizes each layer, but not
+what communicating *during* backward costs backward itself: the communication thread's
+copies and sums take cycles from the compute threads. So the plan it prefers is not trusted
+blindly: it is tried against the baselines it must beat, and the fastest *measured* wins.
 
-The phases, all decided from figures gathered from every rank, so every rank switches
+The phases, each decided from figures gathered from every rank, so every rank switches
 plans at the same step (collective sequences can never differ):
 
 1. measure: MEASURE_STEPS steps on the default plan, recording each layer's ready time;
-2. trial:   each candidate plan runs in two blocks, every candidate once and then again
-            in reverse order (A B C C B A), so a trend in step times over the trial adds
-            about as much to every candidate's figure. A candidate's figure is the median
-            over its measured steps of the step's backward span + exposed communication
-            (the part of a step sync can change), averaged over ranks. Measured on 4
-            emulated hosts at 1 Gbit/s, LeNet (docs/PERFORMANCE.md):
-            - a block first runs warmup_steps() unmeasured steps, about WARMUP_SECONDS: a
-              plan whose algorithm talks to other peers than the plan before it starts
-              slow. Open MPI's allreduce ran at 4.55 ms for the first 10 steps after 80 of
-              dynar's ring, 3.66 ms after 25: its connections to the ranks two hops away
-              had sat idle, and TCP restarts an idle connection in slow start (the ramp is
-              gone with net.ipv4.tcp_slow_start_after_idle=0). Blocks measured from their
-              second step chose the ring in 4 launches of 5, which then ran at 4.0-4.9 ms a
-              step against fused mode's 3.9-4.5.
-            - the mean over ranks: one rank's figure swings by 1 ms from step to step
-              (standard deviation 1.08 ms on 3.6 ms, lag-1 correlation -0.44), as the rank
-              that arrives last at the allreduce waits least. The mean over ranks of a step
-              cancels that (0.38 ms): the median of 28 steps moves 2% instead of 8%;
-3. run:     the fastest candidate. Its first check_steps() steps give its steady figure
-            (event phase "steady"); every check_steps() steps after, the figure is compared
-            with that, and two windows in a row drifting beyond DRIFT start a new trial from
-            fresh timings. The baseline is the chosen plan's own steady figure, not the
-            trial's: on 4 ranks sharing 2 cores LeNet's plan won its trial at 2.18 ms, then
-            ran at 2.9-3.2 ms on the same plan, and in one launch of two the check against
-            the trial figure re-ran every trial mid-run.
+2. trial:   each candidate (candidates()) runs in two blocks, every candidate once and then
+            again in reverse order (A B C C B A), so a trend in step times adds about as
+            much to every candidate's figure; a block first runs warmup_steps() unmeasured
+            steps. A candidate's figure is the median over its measured steps of the step's
+            backward span + exposed communication (what sync can change), averaged over
+            ranks;
+3. run:     the fastest candidate (one with more buckets only if it wins by more than TIE).
+            Its first check_steps() steps give its steady figure (event phase "steady");
+            two check windows in a row beyond DRIFT of that start a new trial from fresh
+            timings.
 Trials and checks last at least TRIAL_STEPS and CHECK_STEPS steps, and on fast steps as many
-as fill TRIAL_SECONDS and CHECK_SECONDS: four steps of LeNet (0.8 ms each on 2 ranks) are
-too few to tell its candidates apart, and picked the slower one in one of two runs.
+as fill TRIAL_SECONDS and CHECK_SECONDS.
 
 Every decision is logged as a JSON event "plan" (phase "cost model": where the prices came
-from; then trial, chosen and steady, with the predicted and the measured figure).
+from; then trial, chosen and steady, with the predicted and the measured figure). The
+measurements behind each rule: docs/notes/2026-12-01-dynamic-allreduce.md and
+docs/notes/2026-12-02-online-rules.md.
 """
 import collections
 
@@ -67,10 +43,8 @@ CHECK_STEPS = 20
 CHECK_SECONDS = 0.1
 DRIFT = 0.2
 # A plan with more buckets must beat one with fewer by this fraction of the figure to be
-# chosen: within it the trials cannot tell them apart (4 ranks sharing 2 cores: LeNet's
-# 3-bucket plan won its trial, then ran its steps at 3.4 ms against the one bucket's 2.3 ms),
-# and each extra bucket costs a hand-off to the communication thread that the figure sees
-# only as noise.
+# chosen: within it the trials cannot tell them apart, and each extra bucket costs a
+# hand-off the figure sees only as noise (docs/notes/2026-12-02-online-rules.md).
 TIE = 0.05
 # At most this many plans are tried: the planner's, and the two baselines with each of the
 # three algorithm choices (candidates()).

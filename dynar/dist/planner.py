@@ -1,9 +1,9 @@
 """Dynamic Allreduce's planner: where to cut the gradient into buckets, and which allreduce
 algorithm reduces each bucket, so that the communication left after backward is smallest.
 
-The execution being planned (DESIGN.md, dist/sync.py): backward finalizes layers 0, 1, ...,
-L-1 in that order, layer i at ready_s[i]; a bucket is a contiguous run of whole layers; one
-communication thread reduces the buckets one after another, bucket k starting at
+The execution being planned (docs/DESIGN.md, "A step across ranks"): backward finalizes
+layers 0, 1, ..., L-1 in that order, layer i at ready_s[i]; a bucket is a contiguous run of
+whole layers; one communication thread reduces the buckets one after another, bucket k starting at
 max(ready time of its last layer, finish of bucket k-1) and taking cost.time(alg_k, bytes_k).
 What the step pays is the *exposed* time: finish of the last bucket minus ready_s[L-1].
 
@@ -19,8 +19,10 @@ import numpy as np
 
 # sync.py's fixed modes (its baselines); "dynamic" is what plan() computes.
 MODES = ("per-layer", "fused", "buckets")
-# The "buckets" mode's bucket size unless told otherwise: PyTorch DDP's bucket_cap_mb.
-DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+# The "buckets" mode's bucket size unless told otherwise (--bucket-mb): PyTorch DDP's
+# bucket_cap_mb.
+DEFAULT_BUCKET_MB = 25.0
+DEFAULT_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2 ** 20)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ layer's backward, the wait for communication, the update), thread 1 the communic
 thread (each bucket's allreduce with its algorithm and size).
 """
 import json
-import os
 import threading
 import time
+
+from ..atomic_write import write_text
 
 TRAINING, COMMUNICATION = 0, 1
 _THREAD_NAMES = {TRAINING: "training", COMMUNICATION: "communication"}
@@ -50,7 +51,4 @@ class Tracer:
             merged += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                         "args": {"name": name}} for tid, name in _THREAD_NAMES.items()]
             merged += spans
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
+        write_text(path, json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))

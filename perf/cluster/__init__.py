@@ -48,6 +48,16 @@ Python:
   (Gbit/s received by host dst), bandwidth.py; `measure_ring_bandwidth(c, seconds=2.0)`
   -> one result per host, every host streaming to the next at once.
 - `run(quick=False)`: the benchmark suite (`python -m perf cluster`), see suite.py.
+
+A real Slurm on the emulated hosts (slurm.py; Debian's slurmd, slurmctld, slurm-client,
+munge, libpmix2 and libpmix-dev):
+
+    from perf.cluster.slurm import SlurmCluster, available
+    with SlurmCluster(hosts=2, rate="10gbit") as s:   # munged, slurmctld, a slurmd per host
+        job = s.sbatch("job.sh", args, ["--nodes=2", "--output=out"])   # -> job id
+        s.wait(job)                           # -> scontrol's fields: JobState, ExitCode...
+        s.srun(argv, ["--mpi=pmix", "-N2"])   # -> CompletedProcess
+        s.requeue(job)                        # scontrol requeue: it starts again 10 s later
 """
 from .bandwidth import measure as measure_bandwidth
 from .bandwidth import measure_ring as measure_ring_bandwidth

@@ -4,12 +4,13 @@ import os
 import subprocess
 import sys
 
-from . import bandwidth, cluster, network, suite
+from . import bandwidth, cluster, network, slurm, suite
 from .errors import ClusterError
 
 EPILOG = """examples (as root):
   python -m perf.cluster exec --hosts 4 --ranks-per-host 1 --rate 10gbit -- \\
       python -m dynar.train --model lenet
+  python -m perf.cluster slurm --hosts 2 -- bash     # sbatch, srun, squeue work in there
   python -m perf.cluster check --hosts 2 --rate 1gbit
   python -m perf.cluster cleanup"""
 
@@ -35,6 +36,10 @@ def parse_args(argv):
     p.add_argument("--ranks-per-host", type=int, default=1, help="MPI ranks per host (default 1)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before mpiexec is stopped")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p = sub.add_parser("slurm", help="run a command beside a Slurm cluster of the emulated "
+                                     "hosts (SLURM_CONF set); its exit code is forwarded")
+    _layout_args(p, 2)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p = sub.add_parser("check", help="measure host-to-host TCP bandwidth against the "
                                      "configured rate, then verify the cleanup")
     _layout_args(p, 2)
@@ -43,10 +48,10 @@ def parse_args(argv):
     p.add_argument("--force", action="store_true",
                    help="also remove clusters whose owner process is still running")
     args = parser.parse_args(argv)
-    if args.command == "exec":
+    if args.command in ("exec", "slurm"):
         args.cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not args.cmd:
-            parser.error("exec: give the command after `--`")
+            parser.error(f"{args.command}: give the command after `--`")
     if args.command == "check" and args.seconds <= 0:
         parser.error("check: --seconds must be > 0")
     return args
@@ -61,6 +66,14 @@ def cmd_exec(args):
                   file=sys.stderr)
             return 124  # as timeout(1)
     return 128 - code if code < 0 else code  # killed by signal N: exit 128+N, as a shell does
+
+
+def cmd_slurm(args):
+    with slurm.SlurmCluster(args.hosts, args.rate) as s:
+        print(f"python -m perf.cluster: Slurm cluster {s.run_id} up: nodes "
+              f"{', '.join(s.namespaces)}; SLURM_CONF={s.conf}", file=sys.stderr, flush=True)
+        code = subprocess.run(args.cmd, env=s.env()).returncode
+    return 128 - code if code < 0 else code
 
 
 def cmd_check(args):
@@ -96,7 +109,8 @@ def cmd_cleanup(args):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return {"exec": cmd_exec, "check": cmd_check, "cleanup": cmd_cleanup}[args.command](args)
+        return {"exec": cmd_exec, "slurm": cmd_slurm, "check": cmd_check,
+                "cleanup": cmd_cleanup}[args.command](args)
     except ClusterError as e:
         print(f"python -m perf.cluster: error: {e}", file=sys.stderr)
         return 2

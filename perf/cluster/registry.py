@@ -97,6 +97,23 @@ def reserve(used_ids, used_subnets=(), subnet_candidates=None):
     return run_id, subnet
 
 
+def record_daemon(run_id, pid):
+    """Note a process this run started outside its namespaces (Slurm's controller), so
+    that `cleanup` can end it should the owner be killed before stopping it."""
+    with open(os.path.join(run_dir(run_id), "daemons"), "a") as f:
+        f.write(json.dumps({"pid": pid, "start_time": _start_time(pid)}) + "\n")
+
+
+def recorded_daemons(run_id):
+    """Pids of the run's recorded daemons that are still the processes recorded."""
+    try:
+        with open(os.path.join(run_dir(run_id), "daemons")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
+    return [r["pid"] for r in records if _start_time(r["pid"]) == r["start_time"]]
+
+
 def release(run_id):
     shutil.rmtree(run_dir(run_id), ignore_errors=True)
 

@@ -106,7 +106,7 @@ class _Launcher:
         self.ranks = hosts * ranks_per_host
         self.rate = rate
         self.label = f"emulated {hosts}x{ranks_per_host} @ {rate}"
-        self._env = {"DYNAR_TUNE_DIR": tune_dir,       # keys name this run's hosts
+        self._env = {"DYNAR_TUNE_DIR": tune_dir,
                      "GLOO_SOCKET_IFNAME": "eth0"}     # DDP: the emulated link
 
     def run(self, argv, env=None, timeout=1800):

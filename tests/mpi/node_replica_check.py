@@ -19,7 +19,7 @@ delay = float(sys.argv[1])
 net = nn.Sequential(nn.Linear(300, 50, generator=np.random.default_rng(rank)),
                     nn.Linear(50, 7, generator=np.random.default_rng(rank))).flatten_parameters()
 n = net.flat_params.size
-node = NodeReplica(net, comm)
+node = NodeReplica(net, None, comm)
 node.broadcast_parameters()                   # rank 0's initial parameters everywhere
 rank0 = nn.Linear(300, 50, generator=np.random.default_rng(0))
 assert np.array_equal(net[0].weight.data, rank0.weight.data)
