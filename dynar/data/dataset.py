@@ -1,5 +1,7 @@
-"""The in-memory dataset every reader produces, and the error every reader raises."""
-from dataclasses import dataclass
+"""What the readers produce: Dataset (arrays in memory: MNIST, CIFAR, npz, synthetic) and
+ImageDataset (images decoded as they are needed: image folders, packed shards), and the
+error every reader raises."""
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,3 +69,64 @@ class Dataset:
         kind = " (synthetic)" if self.synthetic else ""
         return (f"Dataset({self.name}{kind}: {len(self.y_train)} train / {len(self.y_test)} test, "
                 f"{c}x{h}x{w} {self.x_train.dtype}, {self.num_classes} classes)")
+
+
+# torchvision's ImageNet statistics, in [0, 1] units: what photographs are normalised with.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass
+class ImageDataset:
+    """Train and test splits of stored images, decoded and transformed batch by batch.
+
+    A split has `labels` (int64, one per image), `len()` and `record(i)`, the i-th stored
+    image as a decode.Record. kind "photo": photographs of any size, cropped and resized to
+    input_shape by the ImageNet recipe (dynar/data/transforms.py), whose side follows the
+    model (resize_to); kind "array": fixed-size images (packed MNIST/CIFAR/npz), augmented as
+    CIFAR is. classes: the class names, index = label (sorted folder names for a folder).
+    """
+
+    name: str
+    train: object
+    test: object
+    classes: list
+    mean: tuple
+    std: tuple
+    kind: str = "photo"
+    input_shape: tuple = (3, 224, 224)
+    source: str = ""             # what the start line says the images come from
+    notes: list = field(default_factory=list)
+    augment_by_default: bool = True   # photographs and CIFAR, not digits
+    synthetic = False
+    augmentable = True
+    scale = 1.0 / 255.0
+
+    @property
+    def num_classes(self):
+        return len(self.classes)
+
+    @property
+    def y_train(self):
+        return self.train.labels
+
+    @property
+    def y_test(self):
+        return self.test.labels if self.test is not None else np.zeros(0, np.int64)
+
+    def resize_to(self, shape):
+        """Produce (C, H, W) = shape inputs: any square 3-channel size for photographs;
+        fixed-size images only at their own size."""
+        shape = tuple(int(d) for d in shape)
+        if self.kind == "photo" and shape[0] == 3 and shape[1] == shape[2]:
+            self.input_shape = shape
+        elif shape != tuple(self.input_shape):
+            have = "x".join(map(str, self.input_shape)) if self.kind != "photo" else \
+                "3-channel photographs (square crops of any size)"
+            raise DataError(f"{self.name}: the model takes {'x'.join(map(str, shape))} inputs but "
+                            f"the images are {have}")
+
+    def __repr__(self):
+        c, h, w = self.input_shape
+        return (f"ImageDataset({self.name}: {len(self.y_train)} train / {len(self.y_test)} "
+                f"test, {self.kind}, {c}x{h}x{w}, {self.num_classes} classes)")

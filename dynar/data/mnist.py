@@ -2,14 +2,17 @@
 
 IDX layout (big-endian): 2 zero bytes, a type byte (0x08 = ubyte), the number of
 dimensions, one uint32 per dimension, then the data. Images are idx3 (N, 28, 28), labels
-idx1 (N,).
+idx1 (N,). The header is read first and only the data it declares is read (inflated) after
+it: a gzip that would inflate to more fails at once, in bounded memory.
 """
 import gzip
+import math
 import os
 import zlib
 
 import numpy as np
 
+from ..bounded_read import DeclaredSizeError, check_fits, check_inflation, read_into
 from .dataset import DataError, Dataset
 
 SPLITS = {
@@ -50,28 +53,26 @@ def load(name, data_dir):
 
 
 def read_idx(path, ndim):
-    """The uint8 array in the IDX file at path, checking magic, dimensions and length."""
-    data = _read_bytes(path)
-    if len(data) < 4 + 4 * ndim:
-        raise DataError(f"{path}: truncated IDX header ({len(data)} bytes)")
-    if data[0] != 0 or data[1] != 0 or data[2] != 0x08 or data[3] != ndim:
-        raise DataError(f"{path}: wrong magic number 0x{data[:4].hex()}, expected "
-                        f"0x000008{ndim:02x} (uint8 IDX with {ndim} dimensions)")
-    shape = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
-    expected = 4 + 4 * ndim + int(np.prod(shape))
-    if len(data) != expected:
-        what = "truncated" if len(data) < expected else "has trailing bytes"
-        raise DataError(f"{path}: {what}: {len(data)} bytes, the header {shape} implies {expected}")
-    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
-def _read_bytes(path):
+    """The uint8 array in the IDX file at path (raw or .gz), checking magic, dimensions and
+    length, and reading no more than the header declares."""
     try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        with open(path, "rb") as f:
-            return f.read()
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+            header = f.read(4 + 4 * ndim)
+            if len(header) < 4 + 4 * ndim:
+                raise DataError(f"{path}: truncated IDX header ({len(header)} bytes)")
+            if header[:3] != b"\0\0\x08" or header[3] != ndim:
+                raise DataError(f"{path}: wrong magic number 0x{header[:4].hex()}, expected "
+                                f"0x000008{ndim:02x} (uint8 IDX with {ndim} dimensions)")
+            shape = tuple(int(d) for d in np.frombuffer(header, ">u4", count=ndim, offset=4))
+            check_fits(math.prod(shape), f"the IDX header {shape}")
+            if path.endswith(".gz"):
+                check_inflation(math.prod(shape), os.path.getsize(path),
+                                f"the IDX header {shape}")
+            array = np.empty(shape, np.uint8)
+            read_into(f, array, f"the data the header {shape} declares")
+            return array
+    except DeclaredSizeError as e:
+        raise DataError(f"{path}: {e}") from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise DataError(f"{path}: corrupt or truncated gzip file ({e})") from None
     except OSError as e:

@@ -2,13 +2,17 @@
 
 `x` is uint8 or float, NCHW or NHWC (the layout is the one whose channel axis has 1 or 3
 entries), or (N, H, W) for single-channel images. Without `x_test`/`y_test` a seeded tenth
-of the samples is held out.
+of the samples is held out. CIFAR's crop + flip may be asked for (--augment): whether a
+flipped sample is still of its class only the user knows. The archive is read within the
+sizes its members declare (dynar/bounded_read.py), and the labels decide the class count
+only when they can: not past one class per sample.
 """
 import glob
 import os
 
 import numpy as np
 
+from ..bounded_read import read_npz
 from .dataset import DataError, Dataset
 
 HELD_OUT = 0.1
@@ -18,11 +22,11 @@ def load(data_dir, seed=0, num_classes=None):
     """Dataset from data_dir (a .npz file, or a directory holding exactly one)."""
     path = _find_file(data_dir)
     try:
-        archive = np.load(path, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise DataError(f"{path}: a single .npy array, expected an .npz archive with x and y")
-        with archive:
-            arrays = {k: archive[k] for k in ("x", "y", "x_test", "y_test") if k in archive.files}
+        with open(path, "rb") as f:
+            if f.read(6) == b"\x93NUMPY":
+                raise DataError(f"{path}: a single .npy array, expected an .npz archive with "
+                                f"x and y")
+        arrays = read_npz(path, ("x", "y", "x_test", "y_test"))
     except DataError:
         raise
     except Exception as e:
@@ -57,13 +61,18 @@ def load(data_dir, seed=0, num_classes=None):
 
     seen = int(max(y.max(initial=0), y_test.max(initial=0))) + 1
     if num_classes is None:
+        if seen > len(y) + len(y_test):
+            # A model with an output per class would be built from this: 10^9 of them.
+            raise DataError(f"{path}: the largest label, {seen - 1}, would make {seen} classes "
+                            f"for {len(y) + len(y_test)} samples; pass --num-classes if the "
+                            f"model should really have that many outputs")
         num_classes = seen
     elif seen > num_classes:
         raise DataError(f"{path}: label {seen - 1} does not fit num_classes={num_classes}")
     mean, std = _channel_stats(x)
     return Dataset(name=f"npz:{os.path.basename(path)}", x_train=np.ascontiguousarray(x),
                    y_train=y, x_test=np.ascontiguousarray(x_test), y_test=y_test,
-                   num_classes=num_classes, mean=mean, std=std)
+                   num_classes=num_classes, mean=mean, std=std, augmentable=True)
 
 
 def _images(path, key, x):
