@@ -5,7 +5,8 @@ Container: an uncompressed .npz (zip) with no pickle anywhere:
   tree.npy  JSON describing the nested structure; arrays appear as references "a0", "a1", ...
   a<k>.npy  the arrays, dtype and shape preserved
 The SHA-256 covers the tree and every array's dtype, shape and bytes, so a truncated or
-corrupted file is detected at load instead of silently resuming from bad weights.
+corrupted file is detected at load instead of silently resuming from bad weights. Members are
+stored, never compressed, and read within their declared sizes (dynar/bounded_read.py).
 
 Structure encoding: JSON scalars (None, bool, int, float incl. nan/inf, str) stand for
 themselves; containers and arrays are one-key objects: {"dict": [[key, node], ...]} (keys str
@@ -15,10 +16,12 @@ or int, order kept), {"list": [...]}, {"tuple": [...]}, {"array": "a3"} for an n
 import hashlib
 import json
 import os
-import secrets
 import shutil
 
 import numpy as np
+
+from .atomic_write import replace_atomically
+from .bounded_read import read_npz
 
 FORMAT = "dynar-checkpoint"
 VERSION = 1
@@ -49,7 +52,7 @@ def save(path, state):
             f.flush()
             os.fsync(f.fileno())
 
-    _replace_atomically(os.fspath(path), write)
+    replace_atomically(os.fspath(path), write)
 
 
 def link_as_last(path):
@@ -64,63 +67,76 @@ def link_as_last(path):
         except OSError:
             shutil.copyfile(path, tmp)
 
-    _replace_atomically(os.path.join(os.path.dirname(os.path.abspath(path)), "last.ckpt"), link)
-
-
-def _replace_atomically(target, fill):
-    """target becomes the file fill(tmp) creates at a fresh hidden name beside it, or stays as
-    it was: the temporary is renamed over target (same filesystem, so atomic) and the folder
-    fsync'ed so the rename survives a crash. If anything fails, the temporary is removed."""
-    folder = os.path.dirname(os.path.abspath(target))
-    tmp = os.path.join(folder, f".{os.path.basename(target)}.{os.getpid()}."
-                               f"{secrets.token_hex(4)}.tmp")
-    try:
-        fill(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        # Also on KeyboardInterrupt: never leave the half-written temporary behind.
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(folder)
+    replace_atomically(os.path.join(os.path.dirname(os.path.abspath(path)), "last.ckpt"), link)
 
 
 def load(path):
     """The dict saved at path; CheckpointError if it is missing, truncated or corrupt."""
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such checkpoint")
-    try:
-        archive = np.load(path, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise CheckpointError(f"{path}: not a dynar checkpoint (a bare .npy array)")
-        with archive:
-            names = set(archive.files)
-            if not {"meta", "tree"} <= names:
-                raise CheckpointError(f"{path}: not a dynar checkpoint (no meta/tree entries)")
-            meta = json.loads(archive["meta"].tobytes())
-            if meta.get("format") != FORMAT:
-                raise CheckpointError(f"{path}: not a dynar checkpoint (format {meta.get('format')!r})")
-            if meta.get("version") != VERSION:
-                raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')}, "
-                                      f"this dynar reads version {VERSION}")
-            tree = archive["tree"].tobytes()
-            arrays = {name: archive[name] for name in names - {"meta", "tree"}}
-    except CheckpointError:
-        raise
-    except Exception as e:
-        # Damaged bytes make zipfile, numpy's .npy header parser or json raise nearly
-        # anything (BadZipFile, NotImplementedError, tokenize.TokenError, MemoryError for a
-        # huge bogus shape, ...); all of them mean the same thing here.
-        raise CheckpointError(f"{path}: corrupt or truncated checkpoint ({_one_line(e)})") from None
+    meta, _ = _read(path, ("meta", "tree"))
+    arrays = _read(path, None)
+    tree, arrays = arrays.pop("tree").tobytes(), {k: v for k, v in arrays.items() if k != "meta"}
     if _digest(tree, arrays) != meta.get("sha256"):
         raise CheckpointError(f"{path}: checksum mismatch, the checkpoint is corrupt")
     try:
         return _decode(json.loads(tree), arrays)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: malformed structure ({_one_line(e)})") from None
+
+
+def peek(path):
+    """The dict saved at path with every array left out (None in its place): a checkpoint's
+    plain values (its position, its settings) without reading its arrays or verifying its
+    checksum. CheckpointError if that much cannot be read."""
+    path = os.fspath(path)
+    _, tree = _read(path, ("meta", "tree"))
+    try:
+        return _decode(json.loads(tree), _Absent())
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: malformed structure ({_one_line(e)})") from None
+
+
+class _Absent(dict):
+    def __missing__(self, key):
+        return None
+
+
+def _read(path, names):
+    """(meta, tree bytes) after checking the format and version, for names ("meta",
+    "tree"); else every member {name: array}."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if _starts_with(path, b"\x93NUMPY"):
+        raise CheckpointError(f"{path}: not a dynar checkpoint (a bare .npy array)")
+    try:
+        members = read_npz(path, names, allow_compressed=False)
+        if not {"meta", "tree"} <= set(members):
+            raise CheckpointError(f"{path}: not a dynar checkpoint (no meta/tree entries)")
+        meta = json.loads(members["meta"].tobytes())
+    except CheckpointError:
+        raise
+    except Exception as e:
+        # Damaged bytes make zipfile, numpy's .npy header parser or json raise nearly
+        # anything (BadZipFile, NotImplementedError, tokenize.TokenError, ...); all of them
+        # mean the same thing here.
+        raise CheckpointError(f"{path}: corrupt or truncated checkpoint ({_one_line(e)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a dynar checkpoint (format "
+                              f"{meta.get('format') if isinstance(meta, dict) else meta!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')}, "
+                              f"this dynar reads version {VERSION}")
+    if names is None:
+        return members
+    return meta, members["tree"].tobytes()
+
+
+def _starts_with(path, magic):
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
 
 
 def _encode(node, arrays, where):
@@ -169,22 +185,6 @@ def _digest(tree, arrays):
         h.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
         h.update(array.reshape(-1).view(np.uint8))
     return h.hexdigest()
-
-
-def _fsync_dir(folder):
-    """Persist the directory entry of a rename (POSIX; Windows cannot open directories)."""
-    # Where that is impossible the rename has still happened; only its durability across a
-    # power loss is weaker, which is no reason to fail a save that succeeded.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _one_line(error):

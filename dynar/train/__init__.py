@@ -1,4 +1,6 @@
-"""Training: the command line (cli), the training loop (loop) and its reporting (report)."""
-from .loop import TrainConfig, TrainResult, train
+"""Training: the command line (cli), its settings (config), what they build (build), the loop
+(loop), its checkpoints (state) and its reporting (report)."""
+from .config import TrainConfig
+from .loop import TrainResult, Trainer, train
 
-__all__ = ["TrainConfig", "TrainResult", "train"]
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "train"]
