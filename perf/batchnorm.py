@@ -17,12 +17,16 @@ sums (`batch_stats_s`); that figure includes waiting for the slowest rank, which
 spends at the gradient's allreduce instead. On a loaded machine those two figures are
 launch noise, so the cost is also taken apart, each part measured on its own and robust to
 that noise:
-- the sums: one step's worth of BatchStatsGroup sums (C + 1 and C values in forward, 2C in
-  backward, for every BatchNorm of the model), timed after a barrier on the same launcher
-  (`--worker`), median over rounds;
+- the sums: one step's worth of BatchStatsGroup sums (nn.batchnorm.group_sum_sizes: 3C + 1
+  values in forward, 2C in backward, for every BatchNorm of the model), timed after a
+  barrier on the same launcher (`--worker`), median over rounds;
 - the split kernels: every BatchNorm layer of one rank (32 images, 1 thread) on its own
   input shape, summing over a group of one (no communication: only the kernels split at
   their sums) against the fused kernels, alternated, medians.
+And because this machine's speed drifts by tens of percent between launches, the two modes
+also run paired in one launch (`--paired`): DataParallel with global BatchNorm, its layers'
+group set or unset step by step (local, global, global, local, ...), each step timed on
+rank 0; the cost is the median of each round's global / local.
 
     python -m perf batchnorm [--quick]
 """
@@ -135,6 +139,7 @@ def worker(name, variant, rounds):
     from dynar import models
     from dynar.dist import Job, node_replica
     from dynar.dist.batch_stats import BatchStatsGroup
+    from dynar.nn.batchnorm import group_sum_sizes
     job = Job.start()
     model = models.get(name, num_classes=10, variant=variant)
     channels = [layer.num_features for layer in model.batch_norm_layers()]
@@ -144,7 +149,7 @@ def worker(name, variant, rounds):
         group = BatchStatsGroup(node=types.SimpleNamespace(node=node, cross=cross))
     else:
         group = BatchStatsGroup(comm=job.comm)
-    buffers = [np.ones(n) for c in channels for n in (c + 1, c, 2 * c)]
+    buffers = [np.ones(n) for c in channels for n in group_sum_sizes(c)]
     times = []
     for _ in range(rounds):
         job.comm.Barrier()
@@ -159,6 +164,60 @@ def worker(name, variant, rounds):
                           "group": described, "sums_per_step": len(buffers)}), flush=True)
 
 
+def paired_cost(launcher, name, variant, rounds):
+    """The --paired worker's result on `launcher`'s ranks: {"local_s", "global_s",
+    "overhead", "samples"}."""
+    argv = [sys.executable, "-m", "perf.batchnorm", "--paired", name, variant, str(rounds)]
+    out = launcher.run(argv)
+    if out.returncode != 0:
+        raise RuntimeError(f"paired worker {name}: {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def paired_worker(name, variant, rounds):
+    """One rank: training steps (32 images, 1 thread, --sync buckets) with BatchNorm over
+    the global batch and over the rank's own share alternating in one launch, in rounds of
+    local, global then global, local; rank 0 prints the medians and of each round's pairs
+    the median global / local."""
+    import numpy as np
+
+    from dynar import kernels, models, nn, optim
+    from dynar.dist import DataParallel, Job, SyncConfig
+    kernels.set_num_threads(1)
+    job = Job.start()
+    model = models.get(name, num_classes=10, variant=variant)
+    opt = optim.SGD(model, lr=0.01, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(job.rank)
+    x = rng.standard_normal((dist_suite.PER_RANK,) + tuple(model.input_shape), dtype=np.float32)
+    y = rng.integers(0, 10, dist_suite.PER_RANK)
+    with DataParallel(model, opt, job, SyncConfig("buckets", batchnorm="global")) as dp:
+        norms, group = model.batch_norm_layers(), dp.batch_stats
+
+        def step(mode):
+            for layer in norms:
+                layer.batch_stats_group = group if mode == "global" else None
+            start = time.perf_counter()
+            model.zero_grad()
+            crit.forward(model.forward(x), y)
+            model.backward(crit.backward())
+            dp.step()
+            return time.perf_counter() - start
+
+        for mode in ("local", "global") * 2:
+            step(mode)
+        times = {"local": [], "global": []}
+        for r in range(rounds):
+            for mode in ("local", "global") if r % 2 == 0 else ("global", "local"):
+                times[mode].append(step(mode))
+    if job.rank == 0:
+        ratios = [g / l for g, l in zip(times["global"], times["local"])]
+        print(json.dumps({"local_s": statistics.median(times["local"]),
+                          "global_s": statistics.median(times["global"]),
+                          "overhead": statistics.median(ratios) - 1, "samples": times}),
+              flush=True)
+
+
 def breakdown(launcher, local_records, quick):
     """Per model: the split kernels' extra compute and the sums' cost on `launcher`, against
     the local mode's step time measured there."""
@@ -166,6 +225,7 @@ def breakdown(launcher, local_records, quick):
     for name, variant in MODELS:
         kernels = split_kernel_cost(name, variant, repeats=9 if quick else 15)
         sums = sums_cost(launcher, name, variant, rounds=10 if quick else 30)
+        paired = paired_cost(launcher, name, variant, rounds=6 if quick else 16)
         step = next(r["step_s"] for r in local_records
                     if r["model"] == f"{name}-{variant}" and r["batchnorm"] == "local")
         rows.append({"model": f"{name}-{variant}", "network": launcher.label,
@@ -173,18 +233,24 @@ def breakdown(launcher, local_records, quick):
                      "split_kernels_s": kernels["extra_s"], "sums_s": sums["step_sums_s"],
                      "sums_per_step": sums["sums_per_step"], "group": sums["group"],
                      "overhead": (kernels["extra_s"] + sums["step_sums_s"]) / step,
-                     "kernel_samples": kernels["samples"], "sum_samples": sums["samples"]})
+                     "paired_local_s": paired["local_s"], "paired_global_s": paired["global_s"],
+                     "paired_overhead": paired["overhead"],
+                     "kernel_samples": kernels["samples"], "sum_samples": sums["samples"],
+                     "paired_samples": paired["samples"]})
     return rows
 
 
 def breakdown_table(rows):
     return harness.format_table(
         ["model", "network", "ranks", "local step ms", "split kernels ms/step",
-         "sums ms/step (count, how)", "global's cost"],
+         "sums ms/step (count, how)", "kernels + sums", "paired steps, local / global ms",
+         "global's cost, paired"],
         [[r["model"], r["network"], r["ranks"], f"{1000 * r['local_step_s']:.0f}",
           f"{1000 * r['split_kernels_s']:+.1f}",
           f"{1000 * r['sums_s']:.2f} ({r['sums_per_step']}, {' + '.join(r['group'])})",
-          f"{100 * r['overhead']:+.2f}%"] for r in rows])
+          f"{100 * r['overhead']:+.2f}%",
+          f"{1000 * r['paired_local_s']:.0f} / {1000 * r['paired_global_s']:.0f}",
+          f"{100 * r['paired_overhead']:+.2f}%"] for r in rows])
 
 
 def table(records):
@@ -266,5 +332,7 @@ def run(quick=False):
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif len(sys.argv) == 5 and sys.argv[1] == "--paired":
+        paired_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
-        raise SystemExit("usage: python -m perf batchnorm (this module's __main__ is the worker)")
+        raise SystemExit("usage: python -m perf batchnorm (this module's __main__ is its workers)")

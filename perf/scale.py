@@ -332,12 +332,15 @@ def predict(prof, link, nodes=NODES, modes=SYNC_MODES, bucket_bytes=BUCKET_BYTES
 
 def batchnorm_sums_s(prof, link, nodes):
     """(forward, backward) seconds per step of global BatchNorm's sums over `nodes` nodes (a
-    rank each; dist/batch_stats.py: recursive doubling): per layer of C channels, C + 1 then
-    C float64 in forward, 2C in backward; and the backward sums' seconds per layer."""
+    rank each; dist/batch_stats.py: recursive doubling): per layer of C channels, one sum in
+    forward and one in backward (nn.batchnorm.group_sum_sizes); and the backward sums'
+    seconds per layer."""
+    from dynar.nn.batchnorm import group_sum_sizes
+
     def one(values):
         return link.time("recursive_doubling", 8 * values, nodes)
-    forward = sum(one(c + 1) + one(c) for _, c in prof["batchnorm"])
-    backward = [one(2 * c) for _, c in prof["batchnorm"]]
+    forward = sum(one(group_sum_sizes(c)[0]) for _, c in prof["batchnorm"])
+    backward = [one(group_sum_sizes(c)[1]) for _, c in prof["batchnorm"]]
     return forward, sum(backward), backward
 
 

@@ -17,7 +17,7 @@ one-pass E[x^2] - E[x]^2 loses every digit once |mean| is large against the spre
 
 Over a batch spread across processes (BatchNorm over the global batch, dynar/nn/batchnorm.py)
 the same per-channel computations run split where the sums are taken, so that the caller can
-add up every process's sums in between: batchnorm2d_sums (each pass of the statistics),
+add up every process's sums in between: batchnorm2d_shard_sums (a shard's statistics),
 batchnorm2d_forward_with_statistics, batchnorm2d_gradient_sums, batchnorm2d_input_gradient.
 
 Parallelism: prange over channels. A channel's sums stay in one thread in a fixed order, so
@@ -117,15 +117,15 @@ cdef void _forward(floating* y, floating* mean, floating* invstd, floating* runn
         _channel_normalize(y, x, mean, invstd, gamma, beta, c, N, C, HW)
 
 
-cdef void _sums(double* sums, const floating* x, const double* center, Py_ssize_t N,
-                Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
-    """sums (C,) = the first (center NULL) or the second pass of _forward's statistics."""
+cdef void _shard_sums(double* sums, double* squares, const floating* x, Py_ssize_t N,
+                      Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    """sums, squares (C,) = _forward's two passes over a shard, its values in cache between
+    them: the sum and the squared deviations about the shard's own mean."""
+    cdef Py_ssize_t m = N * HW
     cdef Py_ssize_t c
     for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        if center == NULL:
-            sums[c] = _channel_sum(x, c, N, C, HW)
-        else:
-            sums[c] = _channel_squared_deviations(x, center[c], c, N, C, HW)
+        sums[c] = _channel_sum(x, c, N, C, HW)
+        squares[c] = _channel_squared_deviations(x, sums[c] / m, c, N, C, HW)
 
 
 cdef void _forward_with_statistics(floating* y, floating* mean, floating* invstd,
@@ -367,27 +367,25 @@ def batchnorm2d_backward(dx, dgamma, dbeta, dy, x, gamma, mean, invstd, training
 # -- the same computations split where a training step sums over the batch, for BatchNorm
 # over a batch spread across processes: the caller adds each process's sums up in between.
 
-def batchnorm2d_sums(sums, x, center=None):
-    """sums (C,) float64 = per channel of x (N, C, H, W) the sum over (N, H, W) of x, or
-    given center (C,) float64, of (x - center)^2: the two passes of a training forward's
-    statistics (mean = sum / count, then the biased variance about that mean)."""
+def batchnorm2d_shard_sums(sums, squares, x):
+    """sums, squares (C,) float64 = per channel of x (N, C, H, W), a shard of a batch, the
+    sum over (N, H, W) and the squared deviations about the shard's own mean sum / (N H W):
+    the two passes of a training forward's statistics, which the caller combines over the
+    shards (dynar.nn.batchnorm.batch_statistics)."""
     cdef FloatKind kind
     xa, N, C, HW = _check_x(x, True, &kind)
     sumsa = _check_sums("sums", sums, (C,), output=True)
-    centera = None if center is None else _check_sums("center", center, (C,))
-    _check_outputs_disjoint([("sums", sumsa)],
-                            [("x", xa)] + ([] if center is None else [("center", centera)]))
+    squaresa = _check_sums("squares", squares, (C,), output=True)
+    _check_outputs_disjoint([("sums", sumsa), ("squares", squaresa)], [("x", xa)])
     cdef double* sp = <double*> data(sumsa)
-    cdef const double* cp = NULL
-    if center is not None:
-        cp = <const double*> data(centera)
+    cdef double* qp = <double*> data(squaresa)
     cdef void* xp = data(xa)
     cdef Py_ssize_t n = N, c = C, hw = HW
     with nogil:
         if kind == F32:
-            _sums(sp, <float*> xp, cp, n, c, hw)
+            _shard_sums(sp, qp, <float*> xp, n, c, hw)
         else:
-            _sums(sp, <double*> xp, cp, n, c, hw)
+            _shard_sums(sp, qp, <double*> xp, n, c, hw)
 
 
 def batchnorm2d_forward_with_statistics(y, mean, invstd, x, gamma, beta, running_mean,

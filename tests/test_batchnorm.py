@@ -5,6 +5,7 @@ import pytest
 from hypothesis import event, given, note, settings, strategies as st
 
 from dynar.kernels import batchnorm
+from dynar.nn.batchnorm import batch_statistics, group_sum_sizes, shard_statistics
 from gradcheck import assert_gradient
 from support import at_thread_counts, require_torch
 from support.bad_inputs import REFUSED, as_real, describe, float_dtype, is_array, overlap, \
@@ -325,23 +326,12 @@ def test_batchnorm_bad_input_always_raises_a_python_exception(backward, training
 # -- split where the sums are taken: BatchNorm over a batch spread across processes --------
 
 def _split_forward(shards, gamma, beta, stats, momentum=0.1, eps=1e-5):
-    """The split kernels over `shards` of one batch as separate processes would run them,
-    the sums added up in shard order; `stats` holds the running statistics every process
+    """The split kernels over `shards` of one batch as separate processes would run them
+    (nn.BatchNorm2d's protocol), the sums added up in shard order; `stats` holds the running statistics every process
     shares. Returns (y of each shard, mean, invstd, count)."""
     C = gamma.size
-    count = sum(s.size // C for s in shards)
-    per_shard = []
-    for s in shards:
-        sums = np.empty(C)
-        batchnorm.batchnorm2d_sums(sums, s)
-        per_shard.append(sums)
-    mean = np.sum(per_shard, axis=0) / count
-    squares = []
-    for s in shards:
-        sq = np.empty(C)
-        batchnorm.batchnorm2d_sums(sq, s, mean)
-        squares.append(sq)
-    var = np.sum(squares, axis=0) / count
+    per_shard = [shard_statistics(s, np.empty(group_sum_sizes(C)[0])) for s in shards]
+    mean, var, count = batch_statistics(np.sum(per_shard, axis=0))
     ys, running = [], None
     for s in shards:
         # every process updates the same running statistics from the same figures
@@ -423,9 +413,9 @@ def test_split_kernels_name_a_bad_argument(rng):
     x = rng.standard_normal((2, 3, 2, 2)).astype(np.float32)
     c, c64 = np.zeros(3, np.float32), np.zeros(3)
     with pytest.raises(TypeError, match="^sums"):
-        batchnorm.batchnorm2d_sums(np.zeros(3, np.float32), x)
-    with pytest.raises(ValueError, match="^center"):
-        batchnorm.batchnorm2d_sums(c64.copy(), x, np.zeros(4))
+        batchnorm.batchnorm2d_shard_sums(np.zeros(3, np.float32), c64.copy(), x)
+    with pytest.raises(ValueError, match="^squares"):
+        batchnorm.batchnorm2d_shard_sums(c64.copy(), np.zeros(4), x)
     with pytest.raises(ValueError, match="^count: expected more than 1"):
         batchnorm.batchnorm2d_forward_with_statistics(np.empty_like(x), c.copy(), c.copy(), x,
                                                       c, c, c.copy(), c.copy(), c64, c64, 1)
@@ -437,7 +427,7 @@ def test_split_kernels_name_a_bad_argument(rng):
         batchnorm.batchnorm2d_input_gradient(dx, x, x, c, c, c, np.zeros((2, 3)), 8)
     with pytest.raises(ValueError, match="overlap"):
         sums = np.zeros(3)
-        batchnorm.batchnorm2d_sums(sums, x, sums)
+        batchnorm.batchnorm2d_shard_sums(sums, sums, x)
 
 
 class ThreadGroup:

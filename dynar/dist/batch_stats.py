@@ -2,8 +2,8 @@
 PyTorch's SyncBatchNorm): the group DataParallel gives every BatchNorm of its model
 (nn.BatchNorm2d.batch_stats_group).
 
-Each training forward of a BatchNorm over C channels sums C + 1, then C float64 values over
-the ranks, each backward 2C: small messages on the critical path (nothing after the layer can
+Each training forward of a BatchNorm over C channels sums 3C + 1 float64 values over the
+ranks, each backward 2C (nn.batchnorm.group_sum_sizes): small messages on the critical path (nothing after the layer can
 run before its statistics are known), so the fewest message steps win:
 - where the ranks of each node share one replica (node_replica.py), through the node's shared
   memory: the node's ranks add their values up in a shared window (the hierarchical algorithm

@@ -5,7 +5,7 @@ import numpy as np
 
 from ..kernels.batchnorm import (batchnorm2d_backward, batchnorm2d_forward,
                                  batchnorm2d_forward_with_statistics, batchnorm2d_gradient_sums,
-                                 batchnorm2d_input_gradient, batchnorm2d_sums)
+                                 batchnorm2d_input_gradient, batchnorm2d_shard_sums)
 from .module import Module
 from .parameter import Parameter
 
@@ -16,9 +16,9 @@ class BatchNorm2d(Module):
     the model to the ranks the statistics are taken over: an object whose
     allreduce_sum(array) replaces a 1-D float64 array, in place, by its sum over them, the
     same bytes on each, every member calling it in the same order. Each training forward
-    then sums the channel sums of x over the group twice (for the mean, then for the
-    variance about it) and each backward sums sum(dy) and sum(dy xhat): every rank
-    normalizes with the global batch's statistics and differentiates through them."""
+    then sums its share's statistics over the group once (shard_statistics) and each
+    backward sums sum(dy) and sum(dy xhat), as SyncBatchNorm does: every rank normalizes
+    with the global batch's statistics and differentiates through them."""
     batch_stats_group = None
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
@@ -41,10 +41,8 @@ class BatchNorm2d(Module):
         self._batch_stats = True
         self._group = None
         self._count = 0
-        # float64 sums over the group: the channel sums and this rank's value count; the
-        # squared deviations; backward's two reductions.
-        self._sums = np.empty(num_features + 1, np.float64)
-        self._squares = np.empty(num_features, np.float64)
+        # float64 sums over the group: forward's shard statistics, backward's two reductions.
+        self._statistics = np.empty(group_sum_sizes(num_features)[0], np.float64)
         self._gradient_sums = np.empty((2, num_features), np.float64)
 
     def forward(self, x):
@@ -63,20 +61,13 @@ class BatchNorm2d(Module):
         return self._y
 
     def _forward_over_group(self, x):
-        C = self.num_features
-        sums, squares = self._sums, self._squares
-        batchnorm2d_sums(sums[:C], x)
-        sums[C] = x.size // C
-        self._group.allreduce_sum(sums)
-        # The count is a sum of integers: rounding undoes any error of the group's sum.
-        self._count = count = int(round(sums[C]))
-        mean = sums[:C] / count
-        batchnorm2d_sums(squares, x, mean)
-        self._group.allreduce_sum(squares)
+        statistics = shard_statistics(x, self._statistics)
+        self._group.allreduce_sum(statistics)
+        mean, var, self._count = batch_statistics(statistics)
         batchnorm2d_forward_with_statistics(self._y, self._mean, self._invstd, x,
                                             self.weight.data, self.bias.data,
-                                            self.running_mean, self.running_var, mean,
-                                            squares / count, count, self.momentum, self.eps)
+                                            self.running_mean, self.running_var, mean, var,
+                                            self._count, self.momentum, self.eps)
 
     def backward(self, dy):
         # d(input) is always computed: a BatchNorm is never a model's first layer here.
@@ -101,3 +92,36 @@ class BatchNorm2d(Module):
 
     def extra_repr(self):
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+def group_sum_sizes(channels):
+    """The float64 values a BatchNorm over `channels` channels sums over its group in one
+    training step: forward's shard statistics, backward's two reductions."""
+    return (3 * channels + 1, 2 * channels)
+
+
+def shard_statistics(x, out):
+    """out (3C + 1 float64) = this share of the batch's [channel sums S, squared deviations
+    about its own mean M2, S times its own mean, value count n]: added up over the shares,
+    batch_statistics() gives the whole batch's mean and variance. Returns out."""
+    C = x.shape[1]
+    sums, squares, between, count = out[:C], out[C:2 * C], out[2 * C:3 * C], out[3 * C:]
+    batchnorm2d_shard_sums(sums, squares, x)
+    count[0] = x.size // C
+    np.multiply(sums, sums / count[0], out=between)     # the own mean the squares are about
+    return out
+
+
+def batch_statistics(total):
+    """(mean, biased variance, count) of a batch from its shares' shard_statistics summed.
+    The squared deviations about the batch mean are the shares' own plus a between-shares
+    term sum(S_r m_r) - S m (the parallel form of the two-pass variance: one sum over the
+    shares instead of two, and float64 keeps the difference exact enough for float32 data);
+    for one share the term is exactly 0, so one process gets the fused kernel's figures."""
+    C = (total.size - 1) // 3
+    sums, squares, between = total[:C], total[C:2 * C], total[2 * C:3 * C]
+    # The count is a sum of integers: rounding undoes any error of the group's sum.
+    count = int(round(total[3 * C]))
+    mean = sums / count
+    spread = np.maximum(between - sums * mean, 0.0)
+    return mean, (squares + spread) / count, count
