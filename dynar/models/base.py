@@ -1,5 +1,5 @@
 """Model: the base of the reference architectures."""
-from ..nn import Sequential
+from ..nn import Sequential, StepArena
 
 
 def input_shape(name, variant, shapes):
@@ -15,7 +15,11 @@ class Model(Sequential):
     goes on seeding the Dropout masks, so a run is reproducible from the seed.
 
     The input is data, so the first layer skips d(input); parameters and gradients live in
-    the flat buffers from construction on."""
+    the flat buffers from construction on. The arrays the layers hand each other (outputs
+    kept for backward, gradients) come from `step_arena` (a StepArena; None: every layer
+    keeps its own), each forward starting a pass: what a forward or backward returned is
+    valid until the model's next forward. Kinds of passes too small to gain from it (the
+    arena says which) run on the layers' own buffers."""
 
     def __init__(self, layers, input_shape, generator):
         super().__init__(layers)
@@ -23,3 +27,18 @@ class Model(Sequential):
         self.generator = generator
         self.set_input_requires_grad(False)
         self.flatten_parameters()
+        self.step_arena = StepArena()
+
+    def forward(self, x):
+        arena = self.step_arena
+        if arena is not None:
+            arena.finish()
+            key = (self.training, x.shape)
+            wanted = None if arena.small(key) else arena
+            if self._arena is not wanted:
+                self.use_arena(wanted)
+            if wanted is not None:
+                arena.begin(key)
+        elif self._arena is not None:
+            self.use_arena(None)
+        return super().forward(x)

@@ -32,15 +32,20 @@ class _Residual(Module):
         return self.relu.forward(out)
 
     def backward(self, dy):
-        d = self.relu.backward(dy)
+        arena = self._arena
+        d = self.relu.backward(dy)            # in place: d is dy
+        if arena is not None:
+            self.relu._release_kept()
+            arena.passed_on(dy, d)
+            arena.share(d)                    # both branches read it
         # Shortcut first: it was registered last, so its gradients come first in the flat
         # layout. Its first backward op is a BatchNorm, which only reads d, leaving d intact
         # for the main branch.
         d_shortcut = d if self.downsample is None else self.downsample.backward(d)
-        dx = d
-        for layer in reversed(self._main):
-            dx = layer.backward(dx)
-        add(dx, dx, d_shortcut)   # the branches' gradients join; dx is conv1's own buffer
+        dx = self._backward_through(self._main, d)
+        add(dx, dx, d_shortcut)   # the branches' gradients join; dx is conv1's d(input)
+        if arena is not None:
+            arena.passed_on(d_shortcut, dx)
         return dx
 
 

@@ -8,13 +8,15 @@ class ReLU(Module):
     safe wherever the layer before keeps its *input* for backward, not its output, which
     holds for conv, linear, batch norm and pooling."""
 
+    _keeps = ("_y",)
+
     def __init__(self, inplace=False):
         super().__init__()
         self.inplace = inplace
-        self._y = self._dx = None
+        self._y = None
 
     def forward(self, x):
-        y = x if self.inplace else self._reuse(self._y, x.shape)
+        y = x if self.inplace else self._keep(self._y, x.shape)
         relu_forward(y, x)
         self._y = y
         return y
@@ -22,10 +24,8 @@ class ReLU(Module):
     def backward(self, dy):
         if not self.input_requires_grad:
             return None
-        dx = dy if self.inplace else self._reuse(self._dx, dy.shape)
+        dx = dy if self.inplace else self._grad_buffer(dy.shape)
         relu_backward(dx, dy, self._y)
-        if not self.inplace:
-            self._dx = dx
         return dx
 
     def extra_repr(self):

@@ -20,6 +20,7 @@ class BatchNorm2d(Module):
     backward sums sum(dy) and sum(dy xhat), as SyncBatchNorm does: every rank normalizes
     with the global batch's statistics and differentiates through them."""
     batch_stats_group = None
+    _keeps = ("_x", "_y")
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
         super().__init__()
@@ -33,7 +34,7 @@ class BatchNorm2d(Module):
         self.register_buffer("running_mean", np.zeros(num_features, np.float32))
         self.register_buffer("running_var", np.ones(num_features, np.float32))
         self.register_buffer("num_batches_tracked", np.zeros((), np.int64))
-        self._x = self._y = self._dx = None
+        self._x = self._y = None
         self._mean = np.empty(num_features, np.float32)
         self._invstd = np.empty(num_features, np.float32)
         # What forward used, for backward: batch statistics or running ones, and over which
@@ -46,7 +47,7 @@ class BatchNorm2d(Module):
         self._gradient_sums = np.empty((2, num_features), np.float64)
 
     def forward(self, x):
-        self._y = self._reuse(self._y, x.shape)
+        self._y = self._keep(self._y, x.shape)
         self._group = self.batch_stats_group if self.training else None
         if self._group is None:
             batchnorm2d_forward(self._y, self._mean, self._invstd, x, self.weight.data,
@@ -71,12 +72,12 @@ class BatchNorm2d(Module):
 
     def backward(self, dy):
         # d(input) is always computed: a BatchNorm is never a model's first layer here.
-        self._dx = self._reuse(self._dx, self._x.shape)
+        dx = self._grad_buffer(self._x.shape)
         if self._group is None:
-            batchnorm2d_backward(self._dx, self.weight.grad, self.bias.grad, dy, self._x,
+            batchnorm2d_backward(dx, self.weight.grad, self.bias.grad, dy, self._x,
                                  self.weight.data, self._mean, self._invstd, self._batch_stats)
             self._grad_ready()
-            return self._dx
+            return dx
         sums = self._gradient_sums
         batchnorm2d_gradient_sums(sums, self.weight.grad, self.bias.grad, dy, self._x,
                                   self._mean, self._invstd)
@@ -86,9 +87,9 @@ class BatchNorm2d(Module):
         # short, blocking sum where MPI lets one thread at a time communicate; their bucket
         # still leaves before d(input) is computed.
         self._grad_ready()
-        batchnorm2d_input_gradient(self._dx, dy, self._x, self.weight.data, self._mean,
+        batchnorm2d_input_gradient(dx, dy, self._x, self.weight.data, self._mean,
                                    self._invstd, sums, self._count)
-        return self._dx
+        return dx
 
     def extra_repr(self):
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"

@@ -33,9 +33,7 @@ class Sequential(Module):
         return x
 
     def backward(self, dy):
-        for layer in reversed(self._layers):
-            dy = layer.backward(dy)
-        return dy
+        return self._backward_through(self._layers, dy)
 
     def set_input_requires_grad(self, flag):
         super().set_input_requires_grad(flag)

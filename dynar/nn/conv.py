@@ -16,6 +16,8 @@ def _pair(v):
 
 
 class Conv2d(Module):
+    _keeps = ("_x", "_y")
+
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  generator=None):
         super().__init__()
@@ -31,8 +33,8 @@ class Conv2d(Module):
         init.torch_default_(self.weight.data, None if self.bias is None else self.bias.data,
                             generator)
         self._algorithm = "auto"
-        self._x = self._y = self._dx = None
-        self._x_shape = None
+        self._x = self._y = None
+        self._x_shape = self._y_shape = None
         self._kernel = "gemm"   # the algorithm the current input shape runs on, and its entries
         self._run_forward = self._run_backward = None
 
@@ -58,11 +60,11 @@ class Conv2d(Module):
     def forward(self, x):
         if x.shape != self._x_shape:
             self._x_shape = x.shape
-            self._y = np.empty(output_shape(x.shape, self.weight.shape, self.stride,
-                                            self.padding), np.float32)
+            self._y_shape = output_shape(x.shape, self.weight.shape, self.stride, self.padding)
             self._kernel = self._choose(x.shape)
             kernel = conv_algorithms.ALGORITHMS[self._kernel]
             self._run_forward, self._run_backward = kernel.forward, kernel.backward
+        self._y = self._keep(self._y, self._y_shape)
         bias = None if self.bias is None else self.bias.data
         self._run_forward(self._y, x, self.weight.data, bias, self.stride, self.padding)
         self._x = x
@@ -71,7 +73,7 @@ class Conv2d(Module):
     def backward(self, dy):
         dx = None
         if self.input_requires_grad:
-            dx = self._dx = self._reuse(self._dx, self._x_shape)
+            dx = self._grad_buffer(self._x_shape)
         db = None if self.bias is None else self.bias.grad
         self._run_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
                            self.stride, self.padding)

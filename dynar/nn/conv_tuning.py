@@ -153,14 +153,15 @@ def _fastest(ms, prior):
 
 def conv_input_shapes(model, batch):
     """[(name, layer, input shape)] of the model's "auto" convolutions at `batch` images, by
-    one forward of zeros in eval mode (no statistics or random state touched)."""
+    one forward of one image of zeros in eval mode (no statistics or random state touched;
+    a batch's worth of activations would be held until the first training step)."""
     was_training = model.training
     model.eval()
     try:
-        model.forward(np.zeros((batch, *model.input_shape), np.float32))
+        model.forward(np.zeros((1, *model.input_shape), np.float32))
     finally:
         model.train(was_training)
-    return [(name, m, m._x_shape) for name, m in model.named_modules()
+    return [(name, m, (batch,) + tuple(m._x_shape[1:])) for name, m in model.named_modules()
             if isinstance(m, ConvLayer) and m.algorithm == "auto"]
 
 

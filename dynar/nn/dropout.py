@@ -10,6 +10,8 @@ class Dropout(Module):
     fresh seed from `generator`. Models pass the Generator they own, so a run is
     reproducible from the model's seed. Identity in eval mode and when p == 0."""
 
+    _keeps = ("_y", "_mask")
+
     def __init__(self, p=0.5, inplace=False, generator=None):
         super().__init__()
         if not 0 <= p < 1:
@@ -17,15 +19,15 @@ class Dropout(Module):
         self.p = p
         self.inplace = inplace
         self.generator = np.random.default_rng() if generator is None else generator
-        self._y = self._mask = self._dx = None
+        self._y = self._mask = None
         self._active = False
 
     def forward(self, x):
         self._active = self.training and self.p > 0
         if not self._active:
             return x
-        y = x if self.inplace else self._reuse(self._y, x.shape)
-        self._mask = self._reuse(self._mask, x.shape, np.uint8)
+        y = x if self.inplace else self._keep(self._y, x.shape)
+        self._mask = self._keep(self._mask, x.shape, np.uint8)
         dropout_forward(y, self._mask, x, self.p, int(self.generator.integers(2**63)))
         self._y = y
         return y
@@ -35,10 +37,8 @@ class Dropout(Module):
             return None
         if not self._active:
             return dy
-        dx = dy if self.inplace else self._reuse(self._dx, dy.shape)
+        dx = dy if self.inplace else self._grad_buffer(dy.shape)
         dropout_backward(dx, dy, self._mask, self.p)
-        if not self.inplace:
-            self._dx = dx
         return dx
 
     def extra_repr(self):

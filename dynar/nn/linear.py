@@ -8,6 +8,8 @@ from .parameter import Parameter
 
 
 class Linear(Module):
+    _keeps = ("_x", "_y")
+
     def __init__(self, in_features, out_features, bias=True, generator=None):
         super().__init__()
         self.in_features = in_features
@@ -17,10 +19,10 @@ class Linear(Module):
         self.bias = Parameter(np.empty(out_features, np.float32)) if bias else None
         init.torch_default_(self.weight.data, None if self.bias is None else self.bias.data,
                             generator)
-        self._x = self._y = self._dx = None
+        self._x = self._y = None
 
     def forward(self, x):
-        self._y = self._reuse(self._y, (x.shape[0], self.out_features))
+        self._y = self._keep(self._y, (x.shape[0], self.out_features))
         linear_forward(self._y, x, self.weight.data, None if self.bias is None else self.bias.data)
         self._x = x
         return self._y
@@ -28,7 +30,7 @@ class Linear(Module):
     def backward(self, dy):
         dx = None
         if self.input_requires_grad:
-            dx = self._dx = self._reuse(self._dx, self._x.shape)
+            dx = self._grad_buffer(self._x.shape)
         linear_backward(dx, self.weight.grad, None if self.bias is None else self.bias.grad,
                         dy, self._x, self.weight.data)
         self._grad_ready()

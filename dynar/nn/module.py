@@ -4,11 +4,12 @@ No autograd tape: `forward(x)` runs the layer and keeps what its own backward ne
 `backward(dy)` consumes that and returns d(input). A model's backward calls its children's in
 reverse. Parameter gradients are accumulated (+=) until `zero_grad()`.
 
-Arrays a layer returns are its own buffers, reused on the next call with the same input
-shape (allocating per step would cost more than LeNet's whole step): a caller that needs a
-value beyond the next forward/backward copies it. backward(dy) may overwrite dy (in-place
-ReLU), so a module that feeds one dy to two branches gives it first to the branch that
-only reads it.
+Arrays a layer returns are reused buffers, never allocated per step (that would cost more
+than LeNet's whole step): a layer alone keeps its own, reused on the next call; the layers of
+a model take them from the model's StepArena (arena.py), which lays a whole step's out in one
+block by when each is alive. Either way a caller that needs a value beyond the next
+forward/backward copies it. backward(dy) may overwrite dy (in-place ReLU), so a module that
+feeds one dy to two branches gives it first to the branch that only reads it.
 """
 from collections import namedtuple
 
@@ -41,6 +42,13 @@ class Module:
     input_requires_grad = True
     flat_params = None
     flat_grads = None
+    # Set on every layer of a model by use_arena(): where the arrays a layer keeps from
+    # forward to backward and its d(input) come from; a layer alone keeps its own.
+    _arena = None
+    _dx = None
+    # The attributes holding what forward keeps for backward (its input, its output, ...):
+    # dropped once the layer's backward has run in a model, so their memory can go.
+    _keeps = ()
 
     def __init__(self):
         object.__setattr__(self, "_parameters", {})
@@ -78,6 +86,49 @@ class Module:
         if array is None or array.shape != shape:
             return np.empty(shape, dtype)
         return array
+
+    def _keep(self, held, shape, dtype=np.float32):
+        """An array this layer's forward fills and its backward reads (its output, a max
+        pool's argmax): from the model's arena, dead once the layer's backward has run;
+        a layer alone keeps its own, `held` from the last call when the shape matches."""
+        if self._arena is not None:
+            return self._arena.take(shape, dtype, owner=self)
+        return self._reuse(held, shape, dtype)
+
+    def _grad_buffer(self, shape):
+        """The array d(input) of this backward goes into: from the model's arena, dead
+        once the layer before has consumed it; a layer alone keeps its own (`_dx`)."""
+        if self._arena is not None:
+            return self._arena.take(shape)
+        self._dx = self._reuse(self._dx, shape)
+        return self._dx
+
+    def _backward_through(self, layers, dy):
+        """dy through `layers`' backward, last to first; in a model each layer's kept
+        arrays and each gradient (dy included) go back to the arena once consumed."""
+        arena = self._arena
+        d = dy
+        for layer in reversed(layers):
+            dx = layer.backward(d)
+            if arena is not None:
+                layer._release_kept()
+                arena.passed_on(d, dx)
+            d = dx
+        return d
+
+    def _release_kept(self):
+        """This layer's backward has run: what its forward kept is dead until the next
+        forward. Gives it back to the arena and drops the references to it."""
+        self._arena.done_with(self)
+        for name in self._keeps:
+            object.__setattr__(self, name, None)
+
+    def use_arena(self, arena):
+        """Every layer of this module takes what it keeps and its d(input) from `arena`
+        (a StepArena), whose passes the caller begins (dynar.models' Model does both)."""
+        for m in self.modules():
+            object.__setattr__(m, "_arena", arena)
+        return self
 
     def _grad_ready(self):
         """Called by a layer's backward once its parameter gradients are final."""
