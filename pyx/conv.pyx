@@ -17,7 +17,7 @@ from _conv_call cimport (ConvAlgorithm, ConvCall, ConvGeometry, PlanSpace, backw
                          capsule_algorithm, conv_geometry, forward_call,
                          output_shape as geometry_output_shape)
 from _panels cimport PANEL_GEMM_PREFERRED
-from _scratch cimport Scratch, scratch_give, scratch_take
+from _scratch cimport Scratch, _tracked_free, scratch_give, scratch_take
 from _validate cimport F32, check_pair
 
 cnp.import_array()
@@ -32,6 +32,21 @@ def output_shape(x_shape, w_shape, stride=1, padding=0):
     x_shape: (N, C_in, H, W); w_shape: (C_out, C_in, kh, kw)."""
     cdef ConvGeometry g = conv_geometry(x_shape, w_shape, stride, padding)
     return geometry_output_shape(&g)
+
+
+def workspace_bytes():
+    """Bytes of the shared workspace held between calls."""
+    return _workspace.size
+
+
+def release_workspace():
+    """Free the shared workspace; the next call grows it to what that call needs. Timing
+    the candidates of a layer grows it to the largest candidate's need, which the chosen
+    algorithms may never have: releasing it then keeps that out of the run's memory."""
+    if _workspace.busy:
+        raise RuntimeError("the convolution workspace is in use")
+    _tracked_free(_workspace.ptr)
+    _workspace.ptr, _workspace.size = NULL, 0
 
 
 def set_panel_gemm(bint enabled):

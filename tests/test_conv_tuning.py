@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from dynar import checkpoint, kernels, models
+from dynar.kernels import conv
 from dynar.nn import conv_algorithms, conv_tuning
 from dynar.train import TrainConfig, train
 from mpirun import ROOT, mpi_env, mpiexec
@@ -71,6 +72,8 @@ def test_each_layer_gets_the_fastest_measured_and_the_cache_serves_the_next(cach
     with kernels.settings_kept():
         kernels.set_num_threads(1)
         first = conv_tuning.choose(alexnet(), 4, 1)
+        # The candidates' workspace is given back: the run grows it to its choices' need.
+        assert conv.workspace_bytes() == 0
         for record in first:
             ms = record["ms"]
             assert record["source"] == "measured" and set(ms) >= {"gemm", "tapgemm"}

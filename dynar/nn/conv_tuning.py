@@ -110,8 +110,8 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     """{algorithm: best seconds of forward + backward} of every algorithm that supports
     `layer`, on scratch arrays of its shapes (`x_shape` its input), `first` timed first.
 
-    Bounded for big layers: each candidate's first call (which also grows the workspace)
-    counts as a sample; one more than BUDGET_S behind is not timed again, and one far
+    Bounded for big layers: each candidate's first call (which also grows the workspace,
+    released after each candidate) counts as a sample; one more than BUDGET_S behind is not timed again, and one far
     behind the best so far is left at that."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal(x_shape, dtype=np.float32)
@@ -128,14 +128,18 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
         if not kernel.supports(w.shape, layer.stride, layer.padding):
             continue
         best, calls = math.inf, 0
-        while calls <= repeats:
-            start = time.perf_counter()
-            kernel.forward(y, x, w, b, layer.stride, layer.padding)
-            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding)
-            best, calls = min(best, time.perf_counter() - start), calls + 1
-            leader = min(seconds.values(), default=math.inf)
-            if best > 3 * leader or (best > 1.5 * leader and best > BUDGET_S):
-                break                               # far behind: no need to be precise
+        try:
+            while calls <= repeats:
+                start = time.perf_counter()
+                kernel.forward(y, x, w, b, layer.stride, layer.padding)
+                kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding)
+                best, calls = min(best, time.perf_counter() - start), calls + 1
+                leader = min(seconds.values(), default=math.inf)
+                if best > 3 * leader or (best > 1.5 * leader and best > BUDGET_S):
+                    break                           # far behind: no need to be precise
+        finally:
+            # A losing candidate's workspace need is not the run's: give it back.
+            conv.release_workspace()
         seconds[name] = best
     return seconds
 
