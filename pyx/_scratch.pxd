@@ -3,10 +3,10 @@
 # A kernel that needs workspace takes it from a Scratch kept at module level and gives it back
 # before returning, so one buffer serves call after call: a fresh multi-megabyte malloc per
 # call comes back from the OS as new pages that the kernel must fault in and zero first
-# (docs/notes/2026-12-02-kernels.md). The buffer only grows until released (conv.release_workspace
-# after kernel tuning). Take and give run with the GIL
-# held, so `busy` needs no lock; a second Python thread calling while the buffer is in use
-# gets a private allocation instead of waiting.
+# (docs/notes/2026-12-02-kernels.md). The buffer only grows until released (kernel tuning
+# calls conv.release_workspace). Take and give run with the GIL held, so `busy` needs no
+# lock; a second Python thread calling while the buffer is in use gets a private allocation
+# instead of waiting.
 #
 # Every workspace allocation is reported to tracemalloc (domain WORKSPACE_DOMAIN, as numpy
 # reports its arrays), so Python's own tools see kernel memory too and a test can show that a
