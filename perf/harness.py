@@ -55,14 +55,30 @@ def gemm_ceiling_gflops(repeats=5, size=2048):
 
 
 def _cpu_model():
+    """The CPU's name, with its family and model where the name alone does not tell the
+    generation (a virtual machine's "AMD EPYC" is Zen 3, 4 or 5)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "CPU part", "Model")):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if not line.strip():
+                    break                               # the first processor is enough
+                fields.setdefault(key, value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = (fields.get("model name") or fields.get("CPU part") or fields.get("Model")
+            or platform.processor() or platform.machine())
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def _cpu_features():
+    """The features that decide which kernels are fast (those the kernel-choice cache keys)."""
+    from dynar.nn.conv_tuning import machine
+    return machine(1)["features"]
 
 
 def _git_commit():
@@ -80,6 +96,7 @@ def machine_info():
     import threadpoolctl
     info = {
         "cpu": _cpu_model(),
+        "cpu_features": _cpu_features(),
         "machine": platform.machine(),
         "cores_available": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
