@@ -9,8 +9,9 @@ and the per-tap GEMMs always, the direct kernels at stride 1, Winograd on 3x3 st
 is the measurement behind that choice. Every GFLOP/s counts the direct convolution's
 multiply-adds, padding included: Winograd does fewer and the per-tap GEMMs skip the padding,
 so both can exceed the ceiling. Where dynar runs im2col or Winograd, the same kernel is timed
-with its products with the weights on BLAS instead of dynar's panel GEMM (conv.set_panel_gemm), the
-benchmark that keeps the panel GEMM in (DESIGN.md: a hand-written kernel must beat BLAS).
+with its products with the weights on BLAS instead of dynar's panel GEMM
+(conv.set_panel_gemm): a hand-written kernel stays only where it beats BLAS
+(docs/DESIGN.md, "Benchmark protocol").
 """
 import numpy as np
 
