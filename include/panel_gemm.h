@@ -15,11 +15,12 @@
  * for). The micro-kernel keeps a PANEL_ROWS x PANEL_VECTORS block of c in vector registers,
  * and for every j multiplies one broadcast element of the panel with PANEL_VECTORS vectors of
  * row j of b. With AVX-512 (32 registers of 16 floats) that is 8 x 3 vectors: 24
- * accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds. The depth goes in passes
- * of at most PANEL_DEPTH: a panel's part (8 x 768 floats, 24 KB) stays in L1 while its pass
- * sweeps the same rows of b, which stay in L2 for the next panel. The block and the depth,
- * and the speed against OpenBLAS, were measured by hand: docs/notes/2026-12-02-kernels.md,
- * "The panel GEMM". */
+ * accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds. The depth goes in passes:
+ * a panel's part of a pass fills at most `block_bytes`, half the core's L1 data cache (the
+ * caller reads its size from the OS: conv.panel_block_bytes), so it stays in L1 while the
+ * pass sweeps the same rows of b, which stay in L2 for the next panel. The register block,
+ * and a pass of 8 x 768 floats (24 KB) on a 48 KB L1d, were measured by hand against
+ * OpenBLAS: docs/notes/2026-12-02-kernels.md, "The panel GEMM". */
 #ifndef DYNAR_PANEL_GEMM_H
 #define DYNAR_PANEL_GEMM_H
 #include <stddef.h>
@@ -40,8 +41,8 @@
 #define PANEL_ROWS 4
 #endif
 #define PANEL_VECTORS 3    /* panel_narrow_block dispatches 1 to 3 */
-/* Columns of `a` (rows of `b`) per pass over c: keeps a panel's block in L1, b's in L2. */
-#define PANEL_DEPTH 768
+/* The shortest pass over c, whatever the cache: shorter ones spend more on storing c. */
+#define PANEL_MIN_DEPTH 64
 
 /* Whether im2col and Winograd use these kernels by default (conv.set_panel_gemm overrides):
  * only where the build targets AVX-512, where they were measured faster than OpenBLAS, which
@@ -206,10 +207,12 @@ PANEL_INLINE void panel_row_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,           
 }                                                                                            \
                                                                                              \
 /* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], row-major; a packed by      \
- * panel_pack. k == 0 leaves c = bias (or zero). */                                          \
+ * panel_pack; a panel's part of one pass over c fills at most block_bytes. k == 0 leaves    \
+ * c = bias (or zero). */                                                                    \
 static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *restrict panels, \
                                 ptrdiff_t m, ptrdiff_t k, const REAL *restrict b,            \
-                                ptrdiff_t ldb, ptrdiff_t n, const REAL *restrict bias)       \
+                                ptrdiff_t ldb, ptrdiff_t n, const REAL *restrict bias,       \
+                                ptrdiff_t block_bytes)                                       \
 {                                                                                            \
     if (k == 0) {                                                                            \
         for (ptrdiff_t i = 0; i < m; i++)                                                    \
@@ -217,7 +220,10 @@ static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *res
                 c[i * ldc + j] = bias ? bias[i] : (REAL)0;                                   \
         return;                                                                              \
     }                                                                                        \
-    const ptrdiff_t passes = (k + PANEL_DEPTH - 1) / PANEL_DEPTH;                            \
+    ptrdiff_t max_depth = block_bytes / (ptrdiff_t) (PANEL_ROWS * sizeof(REAL));             \
+    if (max_depth < PANEL_MIN_DEPTH)                                                         \
+        max_depth = PANEL_MIN_DEPTH;                                                         \
+    const ptrdiff_t passes = (k + max_depth - 1) / max_depth;                                \
     const ptrdiff_t depth = (k + passes - 1) / passes;                                       \
     for (ptrdiff_t k0 = 0; k0 < k; k0 += depth) {                                            \
         const ptrdiff_t kd = k - k0 < depth ? k - k0 : depth;                                \

@@ -25,7 +25,9 @@ cdef struct ConvGeometry:
 cdef struct ConvCall:
     FloatKind kind
     bint backward
-    bint panel_gemm     # the products with the weights on dynar's panel GEMM, else BLAS
+    # The products with the weights on dynar's panel GEMM, a panel's pass filling at most
+    # this many bytes of L1 (conv.panel_block_bytes); 0: on BLAS.
+    Py_ssize_t panel_block
     ConvGeometry g
     # The arrays' data; NULL for an optional one left out (b, db, dx) or one of the other pass.
     void* y

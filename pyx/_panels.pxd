@@ -2,10 +2,11 @@
 # (include/panel_gemm.h), packed once per call, or on BLAS, which packs them every call.
 #
 # Whether a call uses the panels is conv.set_panel_gemm's switch (default
-# PANEL_GEMM_PREFERRED), which the call's plan reads; the kernel reserves workspace for the
-# panels when it is on and describes each operand with weights_operand: w (rows, cols)
-# row-major, or its transpose. Without panels (NULL) the products run on BLAS with w itself,
-# so one call site serves both.
+# PANEL_GEMM_PREFERRED), which the call's plan reads as ConvCall.panel_block: the bytes of L1
+# a panel's block may fill (conv.panel_block_bytes), 0 for BLAS. The kernel reserves
+# workspace for the panels when it is on and describes each operand with weights_operand:
+# w (rows, cols) row-major, or its transpose. Without panels (NULL) the products run on BLAS
+# with w itself, so one call site serves both.
 from cython cimport floating
 
 from _blas cimport gemm
@@ -26,23 +27,25 @@ cdef extern from "panel_gemm.h" nogil:
                       Py_ssize_t p1)
     void panel_gemm_f(float* c, Py_ssize_t ldc, const float* panels, Py_ssize_t m,
                       Py_ssize_t k, const float* b, Py_ssize_t ldb, Py_ssize_t n,
-                      const float* bias)
+                      const float* bias, Py_ssize_t block_bytes)
     void panel_gemm_d(double* c, Py_ssize_t ldc, const double* panels, Py_ssize_t m,
                       Py_ssize_t k, const double* b, Py_ssize_t ldb, Py_ssize_t n,
-                      const double* bias)
+                      const double* bias, Py_ssize_t block_bytes)
 
 
 cdef struct Weights:
     void* panels         # the operand packed, or NULL: BLAS multiplies by w itself
     Py_ssize_t m, k      # the operand's shape: (rows, cols) of w, or (cols, rows) transposed
     bint transposed
+    Py_ssize_t block_bytes   # of L1, for a panel's part of one pass (the plan's panel_block)
 
 
 cdef inline Weights weights_operand(Py_ssize_t rows, Py_ssize_t cols, bint transposed,
-                                    void* panels) noexcept nogil:
+                                    void* panels, Py_ssize_t block_bytes) noexcept nogil:
     """w (rows, cols), or its transpose, as a left operand; panels NULL for BLAS."""
     cdef Weights a
     a.panels = panels
+    a.block_bytes = block_bytes
     a.m = cols if transposed else rows
     a.k = rows if transposed else cols
     a.transposed = transposed
@@ -73,9 +76,11 @@ cdef inline void times_weights(floating* c, Py_ssize_t ldc, const Weights* a,
     cdef floating beta = 0
     if a.panels != NULL:
         if floating is float:
-            panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, n, bias)
+            panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, n, bias,
+                         a.block_bytes)
         else:
-            panel_gemm_d(c, ldc, <const double*> a.panels, a.m, a.k, b, ldb, n, bias)
+            panel_gemm_d(c, ldc, <const double*> a.panels, a.m, a.k, b, ldb, n, bias,
+                         a.block_bytes)
         return
     if bias != NULL:
         beta = 1

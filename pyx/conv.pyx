@@ -9,8 +9,11 @@ entry points, those of its `algorithm`, an Algorithm:
 
 over NCHW arrays and OIHW weights, all float32 or all float64. They share this module's
 workspace (one buffer for the four, reused call after call) and its choice of GEMM for the
-products with the weights (set_panel_gemm).
+products with the weights (set_panel_gemm), blocked for this machine's L1 data cache
+(panel_block_bytes).
 """
+import os
+
 cimport numpy as cnp
 
 from _conv_call cimport (ConvAlgorithm, ConvCall, ConvGeometry, PlanSpace, backward_call,
@@ -24,6 +27,44 @@ cnp.import_array()
 
 cdef Scratch _workspace
 cdef bint _panel_gemm = PANEL_GEMM_PREFERRED
+
+
+def l1_data_cache_bytes():
+    """One core's L1 data cache as the OS reports it (sysfs, else sysconf); None when it
+    does not."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(base)):
+            def read(name):
+                with open(os.path.join(base, index, name)) as f:
+                    return f.read().strip()
+            if read("level") == "1" and read("type") in ("Data", "Unified"):
+                size = read("size")
+                scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:].upper(), 1)
+                return int(size.rstrip("KkMm")) * scale
+    except (OSError, ValueError):
+        pass
+    try:
+        size = os.sysconf("SC_LEVEL1_DCACHE_SIZE")
+        return size if size > 0 else None
+    except (ValueError, OSError):
+        return None
+
+
+# A panel's part of one pass of the panel GEMM fills half the L1 data cache; where the OS does
+# not say, the 48 KB of the machine the blocking was measured on (include/panel_gemm.h).
+cdef Py_ssize_t _panel_block = (l1_data_cache_bytes() or 48 << 10) // 2
+
+
+def panel_block_bytes(Py_ssize_t nbytes=0):
+    """The bytes of L1 a panel's part of one pass of the panel GEMM fills (half this
+    machine's L1 data cache); nbytes > 0 sets it. Results do not depend on it: each sum runs
+    in the same order whatever the passes. Returns the value before."""
+    global _panel_block
+    previous = _panel_block
+    if nbytes > 0:
+        _panel_block = nbytes
+    return previous
 
 
 def output_shape(x_shape, w_shape, stride=1, padding=0):
@@ -128,7 +169,7 @@ cdef class Algorithm:
         if self._impl.supports != NULL and not self._impl.supports(&c.g):
             raise ValueError(f"{self.name}: needs {self.needs}, got a {c.g.kh}x{c.g.kw} "
                              f"kernel at stride {(c.g.sh, c.g.sw)}")
-        c.panel_gemm = _panel_gemm
+        c.panel_block = _panel_block if _panel_gemm else 0
         cdef PlanSpace plan
         cdef bint private
         cdef size_t work_bytes = self._impl.plan(c, &plan)

@@ -65,7 +65,7 @@ cdef struct Im2colPlan:
     Py_ssize_t G           # images per GEMM (> 1 only for small P)
     Py_ssize_t R           # output rows per GEMM when G == 1 (a tile of col that stays in cache)
     bint pointwise         # 1x1, stride 1, no padding: col is the image itself, no unfolding
-    bint panels            # the products with w on the panel GEMM
+    Py_ssize_t panels      # the products with w on the panel GEMM (ConvCall.panel_block), 0: BLAS
     int threads
     Py_ssize_t tile        # a thread's col tile: K * G * R * Wo
     Py_ssize_t per_thread  # the tile, then (grouped images) the group's output or its gradient
@@ -237,7 +237,7 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     check_blas_dim("im2col: C_in*kh*kw", s.K)
     check_blas_dim("im2col: C_out", g.Co)
     check_blas_dim("im2col: images*H_out*W_out per GEMM", s.G * s.P)
-    s.panels = c.panel_gemm
+    s.panels = c.panel_block
     s.threads = threads_for((g.N + s.G - 1) // s.G)
     s.tile = s.K * s.G * s.R * g.Wo
     s.per_thread = s.tile + (g.Co * s.G * s.P if s.G > 1 else 0)
@@ -260,7 +260,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef floating* out
     cdef const floating* colp
     cdef Weights a = weights_operand(g.Co, s.K, False, (work + s.threads * s.per_thread)
-                                     if s.panels else NULL)
+                                     if s.panels else NULL, s.panels)
     # Parallel over image groups: every group is an independent GEMM writing its own
     # images, so threads never wait on each other.
     with parallel(num_threads=s.threads):
@@ -368,7 +368,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef const floating* colp
     cdef const floating* dyp
     cdef Weights a = weights_operand(g.Co, s.K, True, (partials + s.threads * slot)
-                                     if s.panels else NULL)
+                                     if s.panels else NULL, s.panels)
     memset(partials, 0, s.threads * slot * sizeof(floating))
     # Parallel over image groups, as forward; input gradients go to the group's own images.
     with parallel(num_threads=s.threads):

@@ -80,7 +80,8 @@ cdef struct WinogradPlan:
     Py_ssize_t T        # tiles per chunk at most: G * R * tw
     bint lanes          # chunks of >= LANES_MIN images: lane kernels, images innermost
     Py_ssize_t Wp       # positions per row of a padded input plane: 2 * tw + 2
-    bint panels         # the products with the transformed weights on the panel GEMM
+    Py_ssize_t panels   # the products with the transformed weights on the panel GEMM
+                        # (ConvCall.panel_block), 0: on BLAS
     # The workspace: the transformed weights u (u_size), then in backward the threads'
     # partial weight gradients and their `started` flags (partials_size), then every
     # thread's tile buffers (per_thread).
@@ -113,7 +114,7 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     check_blas_dim("winograd: C_in", g.C)
     check_blas_dim("winograd: C_out", g.Co)
     check_blas_dim("winograd: tiles per GEMM", s.T)
-    s.panels = c.panel_gemm
+    s.panels = c.panel_block
     s.u_size = _u_size(s)
     s.partials_size = (16 * g.Co * g.C + 1) * s.threads if c.backward else 0
     # the transformed input tiles and the products (or output-gradient tiles), then bands,
@@ -503,7 +504,8 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                 ld = _chunk_tiles(s, gn, ty0, ty1)
                 _chunk_input(v, ld, x + n0 * g.C * g.H * g.W, s, gn, ty0, ty1, band, plane)
                 for xi in range(16):
-                    a = weights_operand(g.Co, g.C, False, u + xi * u_stride if panels else NULL)
+                    a = weights_operand(g.Co, g.C, False, u + xi * u_stride if panels else NULL,
+                                        s.panels)
                     times_weights(m + xi * g.Co * ld, ld, &a, u + xi * u_stride,
                                   v + xi * g.C * ld, ld, ld, NULL)
                 _chunk_output(y + n0 * g.Co * g.Ho * g.Wo, m, ld, b, s, gn, ty0, ty1, band,
@@ -564,7 +566,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     if dx != NULL:
                         # dV overwrites V: this position's weight-gradient GEMM consumed it.
                         a = weights_operand(g.Co, g.C, True,
-                                            u + xi * u_stride if panels else NULL)
+                                            u + xi * u_stride if panels else NULL, s.panels)
                         times_weights(v + xi * g.C * ld, ld, &a, u + xi * u_stride,
                                       dm + xi * g.Co * ld, ld, ld, NULL)
                 if dx != NULL:

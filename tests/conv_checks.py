@@ -10,14 +10,20 @@ from dynar.kernels import conv, im2col as im2col_kernel
 from gradcheck import assert_gradient
 
 
+# A panel GEMM pass this short (the shortest it takes, PANEL_MIN_DEPTH columns) makes every
+# product deeper than 64 run in several passes, on any machine's L1.
+SHORT_PASSES = 256
+
+
 @pytest.fixture(params=["panel", "blas"])
 def weights_gemm(request):
     """Runs the test with the products with the weights (im2col's and Winograd's) on dynar's
-    panel GEMM, then on BLAS (conv.set_panel_gemm); the build's default is restored after.
-    A test module uses it by importing it."""
-    before = conv.set_panel_gemm(request.param == "panel")
+    panel GEMM in short passes, then on BLAS (conv.set_panel_gemm); the build's defaults are
+    restored after. A test module uses it by importing it."""
+    before = conv.set_panel_gemm(request.param == "panel"), conv.panel_block_bytes(SHORT_PASSES)
     yield request.param
-    conv.set_panel_gemm(before)
+    conv.set_panel_gemm(before[0])
+    conv.panel_block_bytes(before[1])
 
 
 def run(kernel, x, w, b, padding, dy, with_dx=True, stride=1):

@@ -80,7 +80,7 @@ def _random_parity_cases(count, seed=2024):
 
 
 # Shapes where im2col unfolds an image in row tiles (K*W_out large) or batches images, and
-# one whose depth (C_in*kh*kw = 810) the panel GEMM covers in two passes.
+# one whose depth (C_in*kh*kw = 810) the panel GEMM covers in passes of unequal length.
 TILED_CASES = [(2, 90, 9, 9, 10, 3, 3, (1, 1), (1, 1), True),
                (2, 64, 32, 32, 8, 3, 3, (1, 1), (1, 1), True),
                (2, 32, 31, 33, 4, 5, 5, (2, 1), (2, 0), False),
@@ -157,6 +157,37 @@ def test_conv2d_thread_count_one_vs_two(shape, per_image, rng):
         np.testing.assert_allclose(one[1], two[1], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(one[2], two[2], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(one[3], two[3], rtol=1e-5, atol=1e-4)
+
+
+def test_the_panel_gemm_is_blocked_for_this_machines_l1_data_cache():
+    # Half the L1d that sysfs reports, checked here against what getconf reports.
+    import subprocess
+    out = subprocess.run(["getconf", "LEVEL1_DCACHE_SIZE"], capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip().isdigit() or int(out.stdout) <= 0:
+        pytest.skip("getconf does not report the L1 data cache here")
+    assert conv.l1_data_cache_bytes() == int(out.stdout)
+    assert conv.panel_block_bytes() == int(out.stdout) // 2
+
+
+def test_the_panel_gemm_gives_the_same_bits_in_any_pass_length(rng):
+    # One pass over the whole depth against passes of 64 columns: each sum runs in the same
+    # order either way (a pass stores c, the next adds on), so a machine's L1d size never
+    # changes a result.
+    x = rng.standard_normal((3, 96, 9, 9)).astype(np.float32)         # depth 96 * 9 = 864
+    w = (rng.standard_normal((40, 96, 3, 3)) / 30).astype(np.float32)
+    dy = rng.standard_normal((3, 40, 9, 9)).astype(np.float32)
+    before = conv.set_panel_gemm(True), conv.panel_block_bytes()
+    results = []
+    try:
+        for block in (1 << 20, 256):
+            conv.panel_block_bytes(block)
+            results.append(_run(x, w, None, 1, 1, dy))
+    finally:
+        conv.set_panel_gemm(before[0])
+        conv.panel_block_bytes(before[1])
+    for long_pass, short_pass in zip(*results):
+        if long_pass is not None:
+            np.testing.assert_array_equal(long_pass, short_pass)
 
 
 def test_conv2d_errors_name_the_argument():
