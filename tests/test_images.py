@@ -82,6 +82,20 @@ def test_imagefolder_and_packed_give_identical_batches(folder, packed_keep, augm
     assert_same_batches(all_batches(a, "test", (0,)), all_batches(b, "test", (0,)))
 
 
+def test_packed_shards_are_mapped_shared_and_read_only(packed_keep):
+    # Shared read-only mappings of the files: ranks on a node read one copy in the page
+    # cache (the pages are the file's, never this process's private memory).
+    ds = load("packed", packed_keep)
+    for i in range(len(ds.train)):
+        bytes(ds.train.record(i).data[:1])
+    shards = {os.path.realpath(p) for p in ds.train.shard_files}
+    with open("/proc/self/maps") as f:
+        modes = {line.split()[-1]: line.split()[1] for line in f
+                 if len(line.split()) >= 6 and line.split()[-1] in shards}
+    assert set(modes) == shards
+    assert all(mode == "r--s" for mode in modes.values()), modes
+
+
 def test_decode_threads_do_not_change_the_batches(folder):
     ds = load("imagefolder", folder)
     inline = all_batches(ds, augment=True, workers=0)
@@ -468,13 +482,22 @@ def test_resnet18_imagenet_trains_and_evaluates_on_photographs(folder, tmp_path)
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "RandomResizedCrop(224)+flip" in out.stdout and "Resize(256)+CenterCrop(224)" in out.stdout
-    assert "decode thread(s) per rank" in out.stdout
+    # No --threads, no --data-workers: compute takes every core, decode the one default thread.
+    assert "1 decode thread(s) per rank" in out.stdout
+    assert "(default: --data-workers N to change)" in out.stdout
     records = [json.loads(line) for line in log.read_text().splitlines()]
     summary = records[-1]
     assert summary["synthetic"] is False and summary["dataset"] == "imagefolder"
     assert summary["final_accuracy"] is not None and summary["steps"] == 2
     data_record, = [r for r in records if r.get("event") == "data"]
     assert len(data_record["classes"]) == 4
+
+
+@pytest.mark.parametrize("cores, compute, decode", [(8, 2, 6), (4, 4, 1), (2, 2, 1),
+                                                     (1, 1, 1), (2, 1, 1)])
+def test_decode_threads_default_to_the_cores_compute_leaves_and_at_least_one(cores, compute,
+                                                                             decode):
+    assert data.pipeline.default_workers(cores, compute) == decode
 
 
 def test_cifar100_python_archive(tmp_path, rng):
