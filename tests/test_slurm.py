@@ -2,8 +2,8 @@
 per emulated host): `sbatch` of a job script that calls mpiexec inside the allocation, and
 `srun --mpi=pmix`, each on 2 Slurm nodes x 1 rank, train LeNet to the weights a 1-rank run
 reaches; the ranks take their threads from Slurm's --cpus-per-task; a tuning file made on
-other hosts serves the job; a job `scontrol requeue`d mid-run starts again by itself and
-ends bitwise as one that was not; srun without the MPI plugin is refused; and the cluster's
+other hosts serves the job; a job `scontrol requeue`d mid-run, or signalled ahead of its
+time limit, starts again by itself and ends bitwise as one that was not; srun without the MPI plugin is refused; and the cluster's
 daemons are gone after its owner's SIGTERM or SIGKILL (then `cleanup`).
 
 Needs root and the Debian packages (slurmd, slurmctld, slurm-client, munge, libpmix2,
@@ -170,11 +170,14 @@ def steps_logged(log):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["scontrol requeue", "time limit"])
 def test_a_job_requeued_mid_run_resumes_by_itself_and_ends_bitwise_unrequeued(
-        slurm, tmp_path, monkeypatch):
-    # The shipped script, twice at once: one job runs through, the other gets
-    # `scontrol requeue` mid-run (SIGTERM to every process: one checkpoint, exit 75), and
-    # Slurm starts it again by itself; its `--resume auto` continues from that checkpoint.
+        slurm, how, tmp_path, monkeypatch):
+    # The shipped script, twice at once: one job runs through, the other is stopped mid-run
+    # and Slurm starts it again by itself; its `--resume auto` continues from the checkpoint.
+    # - `scontrol requeue`: SIGTERM to every process (one checkpoint, exit 75);
+    # - near the time limit: SIGUSR1 to the batch shell (what --signal=B:USR1@300 sends),
+    #   which passes it to the ranks (one checkpoint, exit 75) and requeues the job itself.
     without_thread_settings(monkeypatch)
     jobs = {}
     for name in ("straight", "requeued"):
@@ -191,14 +194,21 @@ def test_a_job_requeued_mid_run_resumes_by_itself_and_ends_bitwise_unrequeued(
     while steps_logged(log) < 45:
         assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
         time.sleep(0.05)
-    slurm.requeue(job_id)
+    if how == "scontrol requeue":
+        slurm.requeue(job_id)
+    else:
+        slurm.client("scancel", "--batch", "--signal=USR1", job_id)
     for name, (job_id, out, _) in jobs.items():
         job = slurm.wait(job_id, timeout=2 * JOB_TIMEOUT)
         assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), out.read_text()
         assert job["Restarts"] == ("1" if name == "requeued" else "0")
     text = jobs["requeued"][1].read_text()
-    stopped = re.search(r"stopped by SIGTERM after step (\d+): checkpoint", text)
+    signal_name = "SIGTERM" if how == "scontrol requeue" else "SIGUSR1"
+    stopped = re.search(fr"stopped by {signal_name} after step (\d+): checkpoint", text)
     assert stopped and int(stopped.group(1)) >= 45, text
+    if how == "time limit":
+        assert ("checkpointed before the time limit; requeueing job "
+                f"{jobs['requeued'][0]}") in text
     assert f"job {jobs['requeued'][0]} (restart 1)" in text
     total = assert_bitwise_same_run(tmp_path / "straight", tmp_path / "requeued")
     assert int(stopped.group(1)) < total
