@@ -8,7 +8,8 @@
 #   host     apt-get install qemu-user-static binfmt-support debootstrap; register binfmt aarch64
 #   rootfs   debootstrap --arch=arm64 --foreign + --second-stage under qemu (Debian bookworm,
 #            python 3.11, gcc 12) into $DYNAR_ARM_ROOT
-#   pydeps   aarch64 wheels (numpy scipy Cython threadpoolctl pytest hypothesis setuptools torch)
+#   pydeps   aarch64 wheels (numpy scipy Cython threadpoolctl Pillow simplejpeg pytest hypothesis
+#            setuptools torch)
 #            installed into the rootfs venv by the *host's* pip (--platform/--target: no emulation)
 #   copy     the repo's working tree (tracked + untracked, not ignored) -> $ROOT/work/dynar
 #   build    DYNAR_NO_MPI=1 python setup.py build_ext --inplace, natively inside the chroot
@@ -191,7 +192,7 @@ stage_pydeps() {
     pyver=$(chroot "$ROOT" /usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     glibc=$(chroot "$ROOT" /usr/bin/getconf GNU_LIBC_VERSION | awk '{print $2}')
     site=$ROOT$VENV/lib/python$pyver/site-packages
-    reqs="numpy scipy Cython threadpoolctl pytest hypothesis setuptools"
+    reqs="numpy scipy Cython threadpoolctl Pillow simplejpeg pytest hypothesis setuptools"
     [[ $TORCH != 0 ]] && reqs+=" torch==$TORCH"
     stamp="$pyver glibc$glibc $reqs"
     if [[ -e $ROOT$VENV/.dynar-deps && $(cat "$ROOT$VENV/.dynar-deps") == "$stamp" ]]; then
