@@ -8,9 +8,9 @@ torch.nn.functional.conv2d's with the same thread count, and the float32 GEMM ce
 and the per-tap GEMMs always, the direct kernels at stride 1, Winograd on 3x3 stride 1), which
 is the measurement behind that choice. Every GFLOP/s counts the direct convolution's
 multiply-adds, padding included: Winograd does fewer and the per-tap GEMMs skip the padding,
-so both can exceed the ceiling. Where dynar runs im2col or Winograd, the same kernel is timed
-with its products with the weights on BLAS instead of dynar's panel GEMM
-(conv.set_panel_gemm): a hand-written kernel stays only where it beats BLAS
+so both can exceed the ceiling. Where dynar runs im2col or Winograd, the same kernel is also
+timed with its products with the weights on dynar's panel GEMM and on BLAS, each forced
+(conv.set_panel_gemm): a hand-written kernel is the default only where it beats BLAS
 (docs/DESIGN.md, "Benchmark protocol").
 """
 import numpy as np
@@ -56,17 +56,25 @@ ALGORITHMS = {"gemm": "im2col", "winograd": "winograd", "direct": "direct",
               "tapgemm": "tapgemm"}
 
 
-def _on_blas(kernel):
-    """kernel() with the products with the weights on BLAS, the default restored."""
+def _weights_on(panels, kernel):
+    """kernel() with the products with the weights on the panel GEMM (True) or on BLAS,
+    whatever the build's default, which is restored after."""
     from dynar.kernels import conv
 
     def run():
-        before = conv.set_panel_gemm(False)
+        before = conv.set_panel_gemm(panels)
         try:
             kernel()
         finally:
             conv.set_panel_gemm(before)
     return run
+
+
+def _panel_gemm_default():
+    from dynar.kernels import conv
+    default = conv.set_panel_gemm(True)
+    conv.set_panel_gemm(default)
+    return default
 
 
 def _layer_candidates(torch, C, Co, k, s, p, H, rng):
@@ -101,7 +109,9 @@ def _layer_candidates(torch, C, Co, k, s, p, H, rng):
     algorithm = ALGORITHMS[conv_algorithms.preferred(x.shape, w.shape, s, p)]
     if algorithm in ("im2col", "winograd"):
         for pass_ in ("fwd", "bwd"):
-            candidates[f"blas_{pass_}"] = _on_blas(candidates[f"{algorithm}_{pass_}"])
+            for on, panels in (("panel", True), ("blas", False)):
+                candidates[f"{on}_{pass_}"] = _weights_on(panels,
+                                                          candidates[f"{algorithm}_{pass_}"])
     flops = 2.0 * BATCH * Co * C * k * k * y.shape[2] * y.shape[3]
     return candidates, flops, algorithm
 
@@ -112,10 +122,11 @@ def summary_text(summary):
             f"fwd+bwd at {100 * summary['deep3x3_min_fraction_of_ceiling']:.0f}% (worst) / "
             f"{100 * summary['deep3x3_geomean_fraction_of_ceiling']:.0f}% (geomean) of the "
             f"ceiling. All layers: geometric-mean speed-up vs PyTorch "
-            f"{summary['geomean_speedup_vs_torch']:.2f}x. Layers on im2col or Winograd: "
-            f"fwd+bwd at {summary['panel_vs_blas_geomean']:.2f}x (geomean; "
-            f"{summary['panel_vs_blas_min']:.2f}x-{summary['panel_vs_blas_max']:.2f}x) the "
-            f"speed of the same kernel with its products with the weights on BLAS.")
+            f"{summary['geomean_speedup_vs_torch']:.2f}x. Layers on im2col or Winograd, "
+            f"their products with the weights on the panel GEMM against on BLAS (the build's "
+            f"default: {'panel GEMM' if summary['panel_gemm_default'] else 'BLAS'}): "
+            f"{summary['panel_vs_blas_geomean']:.2f}x (geomean; "
+            f"{summary['panel_vs_blas_min']:.2f}x-{summary['panel_vs_blas_max']:.2f}x).")
 
 
 def run(quick=False):
@@ -146,20 +157,22 @@ def run(quick=False):
                    torch_fwd_bwd_gflops=3 * flops / torch_total / 1e9,
                    speedup_vs_torch=torch_total / (fwd + bwd))
         rec["fwd_bwd_fraction_of_ceiling"] = rec["dynar_fwd_bwd_gflops"] / ceiling
-        rec["weights_on_blas_fwd_bwd_gflops"] = (3 * flops / (t["blas_fwd"] + t["blas_bwd"]) / 1e9
-                                                 if "blas_fwd" in t else None)
+        for on in ("panel", "blas"):
+            rec[f"weights_on_{on}_fwd_bwd_gflops"] = (
+                3 * flops / (t[f"{on}_fwd"] + t[f"{on}_bwd"]) / 1e9 if f"{on}_fwd" in t else None)
         records.append(rec)
         per_algorithm = [rec[f"{a}_fwd_bwd_gflops"] for a in ALGORITHMS.values()]
         rows.append([net, name, algorithm, f"{rec['dynar_fwd_gflops']:.0f}",
                      f"{rec['dynar_bwd_gflops']:.0f}",
                      *("-" if g is None else f"{g:.0f}" for g in per_algorithm),
-                     "-" if rec["weights_on_blas_fwd_bwd_gflops"] is None
-                     else f"{rec['weights_on_blas_fwd_bwd_gflops']:.0f}",
+                     *("-" if rec[f"weights_on_{on}_fwd_bwd_gflops"] is None
+                       else f"{rec[f'weights_on_{on}_fwd_bwd_gflops']:.0f}"
+                       for on in ("panel", "blas")),
                      f"{rec['torch_fwd_gflops']:.0f}", f"{rec['torch_bwd_gflops']:.0f}",
                      f"{100 * rec['fwd_bwd_fraction_of_ceiling']:.0f}%",
                      f"{rec['speedup_vs_torch']:.2f}x"])
     deep = [r for r in records if r["kernel"] == 3 and r["C_in"] >= 64 and r["C_out"] >= 64]
-    panel_gains = [r["dynar_fwd_bwd_gflops"] / r["weights_on_blas_fwd_bwd_gflops"]
+    panel_gains = [r["weights_on_panel_fwd_bwd_gflops"] / r["weights_on_blas_fwd_bwd_gflops"]
                    for r in records if r["weights_on_blas_fwd_bwd_gflops"]]
     summary = {
         "threads": threads,
@@ -172,11 +185,13 @@ def run(quick=False):
         "panel_vs_blas_geomean": harness.geometric_mean(panel_gains),
         "panel_vs_blas_min": min(panel_gains),
         "panel_vs_blas_max": max(panel_gains),
+        "panel_gemm_default": bool(_panel_gemm_default()),
     }
     table = harness.format_table(
         ["network", "layer", "dynar runs", "dynar fwd GF/s", "dynar bwd GF/s",
          *(f"{a} fwd+bwd GF/s" for a in ALGORITHMS.values()),
-         "dynar with w on BLAS fwd+bwd GF/s", "torch fwd GF/s", "torch bwd GF/s",
+         "w on panel GEMM fwd+bwd GF/s", "w on BLAS fwd+bwd GF/s", "torch fwd GF/s",
+         "torch bwd GF/s",
          "dynar fwd+bwd / ceiling", "fwd+bwd speed-up vs torch"], rows)
     table += "\n\n" + summary_text(summary)
     print(table)
