@@ -29,17 +29,19 @@ cdef Scratch _workspace
 cdef bint _panel_gemm = PANEL_GEMM_PREFERRED
 
 
+def _sysfs_cache(index, name):
+    with open(os.path.join("/sys/devices/system/cpu/cpu0/cache", index, name)) as f:
+        return f.read().strip()
+
+
 def l1_data_cache_bytes():
     """One core's L1 data cache as the OS reports it (sysfs, else sysconf); None when it
     does not."""
-    base = "/sys/devices/system/cpu/cpu0/cache"
     try:
-        for index in sorted(os.listdir(base)):
-            def read(name):
-                with open(os.path.join(base, index, name)) as f:
-                    return f.read().strip()
-            if read("level") == "1" and read("type") in ("Data", "Unified"):
-                size = read("size")
+        for index in sorted(os.listdir("/sys/devices/system/cpu/cpu0/cache")):
+            if (_sysfs_cache(index, "level") == "1"
+                    and _sysfs_cache(index, "type") in ("Data", "Unified")):
+                size = _sysfs_cache(index, "size")           # e.g. "32K"
                 scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:].upper(), 1)
                 return int(size.rstrip("KkMm")) * scale
     except (OSError, ValueError):

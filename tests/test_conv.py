@@ -1,3 +1,5 @@
+import subprocess
+
 import numpy as np
 import pytest
 from hypothesis import event, given, settings, strategies as st
@@ -161,7 +163,6 @@ def test_conv2d_thread_count_one_vs_two(shape, per_image, rng):
 
 def test_the_panel_gemm_is_blocked_for_this_machines_l1_data_cache():
     # Half the L1d that sysfs reports, checked here against what getconf reports.
-    import subprocess
     out = subprocess.run(["getconf", "LEVEL1_DCACHE_SIZE"], capture_output=True, text=True)
     if out.returncode != 0 or not out.stdout.strip().isdigit() or int(out.stdout) <= 0:
         pytest.skip("getconf does not report the L1 data cache here")

@@ -3,8 +3,9 @@ per emulated host): `sbatch` of a job script that calls mpiexec inside the alloc
 `srun --mpi=pmix`, each on 2 Slurm nodes x 1 rank, train LeNet to the weights a 1-rank run
 reaches; the ranks take their threads from Slurm's --cpus-per-task; a tuning file made on
 other hosts serves the job; a job `scontrol requeue`d mid-run, or signalled ahead of its
-time limit, starts again by itself and ends bitwise as one that was not; srun without the MPI plugin is refused; and the cluster's
-daemons are gone after its owner's SIGTERM or SIGKILL (then `cleanup`).
+time limit, starts again by itself and ends bitwise as one that was not; srun without the
+MPI plugin is refused; and the cluster's daemons are gone after its owner's SIGTERM or
+SIGKILL (then `cleanup`).
 
 Needs root and the Debian packages (slurmd, slurmctld, slurm-client, munge, libpmix2,
 libpmix-dev); elsewhere it skips, naming what is missing."""

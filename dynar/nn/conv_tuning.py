@@ -111,8 +111,8 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     `layer`, on scratch arrays of its shapes (`x_shape` its input), `first` timed first.
 
     Bounded for big layers: each candidate's first call (which also grows the workspace,
-    released after each candidate) counts as a sample; one more than BUDGET_S behind is not timed again, and one far
-    behind the best so far is left at that."""
+    released after each candidate) counts as a sample; one more than BUDGET_S behind is not
+    timed again, and one far behind the best so far is left at that."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal(x_shape, dtype=np.float32)
     w = layer.weight.data.copy()
