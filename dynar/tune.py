@@ -10,8 +10,9 @@ allreduces among nodes, so that is what is tuned (by one rank per node). Files g
 $DYNAR_TUNE_DIR (default ~/.cache/dynar/tune), or --dir.
 
 python -m dynar.tune --kernels --model M [--variant V] --batch-size B [--threads T] instead
-times each convolution algorithm on every layer shape of the model (B images per rank, as a
-rank trains) and keeps the fastest in the kernel cache training reads (nn/conv_tuning.py:
+times each convolution algorithm, and each way to cut a fully connected layer among threads,
+on every layer shape of the model (B images per rank, as a rank trains) and keeps the
+fastest in the kernel cache training reads (nn/kernel_tuning.py:
 $DYNAR_KERNEL_CACHE, default ~/.cache/dynar/kernels), so that a job starts without timing.
 No MPI: run it on one node of the kind the job will run on.
 """
@@ -58,7 +59,7 @@ def tune_kernels(args):
     """--kernels: every layer shape of the model timed, the cache filled; returns the
     exit status."""
     from . import kernels, models
-    from .nn import conv_tuning
+    from .nn import kernel_tuning
     if not args.model or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
         print("error: --kernels needs --model, a --batch-size >= 1 and --threads >= 1",
               file=sys.stderr)
@@ -73,13 +74,19 @@ def tune_kernels(args):
     with kernels.settings_kept():
         kernels.set_num_threads(threads)
         kernels.set_flush_denormals(True)
-        records = conv_tuning.choose(model, args.batch_size, threads, tune=True)
+        records = kernel_tuning.choose(model, args.batch_size, threads, tune=True)
     print(f"{args.model} at {args.batch_size} images x {threads} thread(s), "
           f"ms of forward + backward:")
     for r in records:
-        times = "  ".join(f"{k} {v:8.2f}" for k, v in sorted(r["ms"].items()))
-        print(f"  {r['layer']:<22} {r['choice']:>8} ({r['source']})  {times}")
-    print(f"kept in {conv_tuning.cache_dir()}")
+        print(f"  {r['layer']:<22} {r['choice']} ({r['source']})")
+        line = "   "
+        for k, v in sorted(r["ms"].items()):
+            if len(line) > 80:
+                print(line)
+                line = "   "
+            line += f"  {k} {v:.2f}"
+        print(line)
+    print(f"kept in {kernel_tuning.cache_dir()}")
     return 0
 
 

@@ -77,7 +77,7 @@ def _cpu_model():
 
 def _cpu_features():
     """The features that decide which kernels are fast (those the kernel-choice cache keys)."""
-    from dynar.nn.conv_tuning import machine
+    from dynar.nn.kernel_tuning import machine
     return machine(1)["features"]
 
 

@@ -27,13 +27,13 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None):
     """One training step of dynar's model. With `timed` (a dict), every leaf layer's forward
     and backward, the loss and the optimizer add their seconds to timed[kind]."""
     from dynar import kernels, models, nn, optim
-    from dynar.nn import conv_tuning
+    from dynar.nn import kernel_tuning
     kernels.set_num_threads(threads)
     kernels.set_flush_denormals(True)
     kw = {"dropout": 0.0} if name.startswith(("alexnet", "vgg")) else {}
     model = models.get(name, variant=variant, seed=0, **kw)
     # As training chooses (timed, cached; DYNAR_KERNEL_TUNE=0: the thresholds).
-    conv_tuning.apply(model, conv_tuning.choose(model, len(y), threads))
+    kernel_tuning.apply(model, kernel_tuning.choose(model, len(y), threads))
     crit = nn.CrossEntropyLoss()
     opt = optim.SGD(model, lr=0.01, momentum=0.9)
     if timed is not None:

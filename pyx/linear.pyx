@@ -5,13 +5,15 @@
     weight grad:  dw (out, in) += dy^T (out, N) @ x (N, in)
     bias grad:    db (out,)    += column sums of dy
 
-Parallelism: BLAS is held to one thread (dynar/kernels/__init__.py), so every product is cut
-into blocks of w's rows or columns, and OpenMP threads run one single-threaded GEMM per block.
-A cut never crosses a summation dimension (in for y, out for dx, N for dw/db), so no partial
-sums are combined. Blocks go along w because w is the large operand of a fully connected layer
-(4096x4096 in AlexNet against a batch of 64): each GEMM then packs only its slice of w.
-Block boundaries depend on the shapes only, never on the thread count, so every thread count
-makes the same GEMM calls and gets bitwise equal results.
+Parallelism: BLAS is held to one thread (dynar/kernels/__init__.py), so each product's output
+is cut into blocks of rows or of columns, and OpenMP threads run one single-threaded GEMM per
+block. A cut never crosses the summation dimension (in for y, out for dx, N for dw), so no
+partial sums are combined. Which way to cut, and how wide, is each call's `cut`: ROWS or
+COLS and a width. Cutting along w (y's and dx's columns, dw's rows) packs only a slice of the
+large operand per block; cutting along the batch keeps every thread busy where w has fewer
+rows than a block (a 10-class head). nn/kernel_tuning.py times the cuts per layer shape.
+Block boundaries depend on the shapes and the cut only, never on the thread count, so every
+thread count makes the same GEMM calls and gets bitwise equal results.
 """
 from cython cimport floating
 from cython.parallel cimport prange
@@ -25,61 +27,86 @@ from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_fl
 
 cnp.import_array()
 
-# Rows/columns of w per block. Each block's GEMM re-packs the operand all blocks share (x or
-# dy), which costs 1/BLOCK of the block's arithmetic; narrower blocks would also leave the
-# BLAS micro-kernels too little width. 4096 features still give 64 blocks to share out.
-DEF BLOCK = 64
+cdef enum:
+    BY_ROWS = 0
+    BY_COLS = 1
+ROWS, COLS = BY_ROWS, BY_COLS
+# The cut each product had before tuning, and keeps with DYNAR_KERNEL_TUNE=0: along w in
+# blocks of 64 (each block's GEMM re-packs the operand all blocks share, 1/64 of its work).
+DEFAULT_CUT = (COLS, 64)
+DEFAULT_DW_CUT = (ROWS, 64)
+DEF DB_BLOCK = 64
+
+
+cdef void _cut_gemm(int axis, Py_ssize_t width, bint trans_a, bint trans_b,
+                    Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                    const floating* a, Py_ssize_t lda, const floating* b, Py_ssize_t ldb,
+                    floating beta, floating* c, Py_ssize_t ldc) noexcept nogil:
+    """c (M, N) = op(a) (M, K) @ op(b) (K, N) + beta * c, row-major, as one GEMM per block
+    of `width` rows (axis ROWS) or columns (COLS) of c, the blocks shared among threads."""
+    cdef Py_ssize_t extent = M if axis == BY_ROWS else N
+    cdef Py_ssize_t blocks = (extent + width - 1) // width
+    cdef Py_ssize_t blk, s, n
+    for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        s = blk * width
+        n = width if s + width <= extent else extent - s
+        if axis == BY_ROWS:    # rows s.. of op(a): rows of a, or its columns when transposed
+            gemm(trans_a, trans_b, <int> n, <int> N, <int> K, <floating> 1,
+                 a + (s if trans_a else s * lda), <int> lda, b, <int> ldb,
+                 beta, c + s * ldc, <int> ldc)
+        else:               # columns s.. of op(b)
+            gemm(trans_a, trans_b, <int> M, <int> n, <int> K, <floating> 1, a, <int> lda,
+                 b + (s * ldb if trans_b else s), <int> ldb, beta, c + s, <int> ldc)
 
 
 cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
-                   Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out) noexcept nogil:
+                   Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out,
+                   int axis, Py_ssize_t width) noexcept nogil:
     """y: (N, Out); x: (N, In); w: (Out, In); b: (Out,) or NULL."""
-    cdef Py_ssize_t blocks = (Out + BLOCK - 1) // BLOCK
-    cdef Py_ssize_t blk, j0, cols, n
-    cdef floating beta
-    # Parallel over blocks of output columns (rows of w): independent GEMMs, each summing
-    # over all of `in`, each touching only its own columns of y.
-    for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
-        j0 = blk * BLOCK
-        cols = BLOCK if j0 + BLOCK <= Out else Out - j0
-        beta = 0
-        if b != NULL:
-            beta = 1
-            for n in range(N):
-                memcpy(y + n * Out + j0, b + j0, cols * sizeof(floating))
-        gemm(False, True, <int> N, <int> cols, <int> In, <floating> 1, x, <int> In,
-             w + j0 * In, <int> In, beta, y + j0, <int> Out)
+    cdef Py_ssize_t n
+    cdef floating beta = 0
+    if b != NULL:
+        beta = 1
+        for n in range(N):
+            memcpy(y + n * Out, b, Out * sizeof(floating))
+    _cut_gemm(axis, width, False, True, N, Out, In, x, In, w, In, beta, y, Out)
 
 
 cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy,
                     const floating* x, const floating* w,
-                    Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out) noexcept nogil:
+                    Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out,
+                    int dx_axis, Py_ssize_t dx_width,
+                    int dw_axis, Py_ssize_t dw_width) noexcept nogil:
     """dx: (N, In) or NULL; dw: (Out, In); db: (Out,) or NULL; dy: (N, Out); x: (N, In);
     w: (Out, In)."""
-    cdef Py_ssize_t blocks, blk, i0, o0, cols, rows, o, n
+    cdef Py_ssize_t blocks, blk, o0, o1, o, n
     cdef floating acc
     if dx != NULL:
-        blocks = (In + BLOCK - 1) // BLOCK
-        # Parallel over blocks of dx's columns (columns of w): the `out` sum stays whole.
-        for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
-            i0 = blk * BLOCK
-            cols = BLOCK if i0 + BLOCK <= In else In - i0
-            gemm(False, False, <int> N, <int> cols, <int> Out, <floating> 1, dy, <int> Out,
-                 w + i0, <int> In, <floating> 0, dx + i0, <int> In)
-    blocks = (Out + BLOCK - 1) // BLOCK
-    # Parallel over blocks of output features (rows of dw, entries of db): each thread owns
-    # its rows outright and accumulates straight into dw/db; the batch sum stays whole.
+        _cut_gemm(dx_axis, dx_width, False, False, N, In, Out, dy, Out, w, In,
+                  <floating> 0, dx, In)
+    _cut_gemm(dw_axis, dw_width, True, False, Out, In, N, dy, Out, x, In,
+              <floating> 1, dw, In)
+    if db == NULL:
+        return
+    blocks = (Out + DB_BLOCK - 1) // DB_BLOCK
     for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
-        o0 = blk * BLOCK
-        rows = BLOCK if o0 + BLOCK <= Out else Out - o0
-        gemm(True, False, <int> rows, <int> In, <int> N, <floating> 1, dy + o0, <int> Out,
-             x, <int> In, <floating> 1, dw + o0 * In, <int> In)
-        if db != NULL:
-            for o in range(o0, o0 + rows):
-                acc = 0
-                for n in range(N):
-                    acc = acc + dy[n * Out + o]
-                db[o] += acc
+        o0 = blk * DB_BLOCK
+        o1 = o0 + DB_BLOCK if o0 + DB_BLOCK <= Out else Out
+        for o in range(o0, o1):
+            acc = 0
+            for n in range(N):
+                acc = acc + dy[n * Out + o]
+            db[o] += acc
+
+
+cdef void _check_cut(str name, object cut, int* axis, Py_ssize_t* width) except *:
+    try:
+        a, w = cut
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected (ROWS or COLS, width), got {cut!r}") from None
+    if a not in (ROWS, COLS) or not isinstance(w, int) or w < 1:
+        raise ValueError(f"{name}: expected (ROWS or COLS, width >= 1), got {cut!r}")
+    axis[0], width[0] = a, w
 
 
 cdef tuple _check_linear(str bias_name, object x, object w, object b, FloatKind* kind,
@@ -107,11 +134,15 @@ cdef tuple _check_linear(str bias_name, object x, object w, object b, FloatKind*
     return xa, wa, ba, N, In, Out
 
 
-def linear_forward(y, x, w, b=None):
+def linear_forward(y, x, w, b=None, cut=DEFAULT_CUT):
     """y (N, out) = x (N, in) @ w (out, in)^T + b (out,).
 
-    y is overwritten; b may be None."""
+    y is overwritten; b may be None. cut: (ROWS, width) blocks of the batch or (COLS, width)
+    of output features per thread."""
     cdef FloatKind kind
+    cdef int axis
+    cdef Py_ssize_t width
+    _check_cut("cut", cut, &axis, &width)
     xa, wa, ba, N, In, Out = _check_linear("b", x, w, b, &kind)
     ya = check_float("y", y, 2, kind, output=True)
     check_shape("y", ya, (N, Out))
@@ -125,17 +156,24 @@ def linear_forward(y, x, w, b=None):
     cdef Py_ssize_t n = N, i = In, o = Out
     with nogil:
         if kind == F32:
-            _forward(<float*> yp, <float*> xp, <float*> wp, <float*> bp, n, i, o)
+            _forward(<float*> yp, <float*> xp, <float*> wp, <float*> bp, n, i, o, axis, width)
         else:
-            _forward(<double*> yp, <double*> xp, <double*> wp, <double*> bp, n, i, o)
+            _forward(<double*> yp, <double*> xp, <double*> wp, <double*> bp, n, i, o,
+                     axis, width)
 
 
-def linear_backward(dx, dw, db, dy, x, w):
+def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_CUT):
     """Gradients of linear_forward given dy (N, out).
 
     dx (N, in) is overwritten (None skips the input gradient, as for a first layer);
-    dw (out, in) and db (out,) are accumulated into (+=); db may be None."""
+    dw (out, in) and db (out,) are accumulated into (+=); db may be None. dx_cut: (ROWS,
+    width) blocks of the batch or (COLS, width) of input features per thread; dw_cut: (ROWS,
+    width) of output features or (COLS, width) of input features."""
     cdef FloatKind kind
+    cdef int dx_axis, dw_axis
+    cdef Py_ssize_t dx_width, dw_width
+    _check_cut("dx_cut", dx_cut, &dx_axis, &dx_width)
+    _check_cut("dw_cut", dw_cut, &dw_axis, &dw_width)
     xa, wa, dba, N, In, Out = _check_linear("db", x, w, db, &kind, bias_output=True)
     dya = check_float("dy", dy, 2, kind)
     check_shape("dy", dya, (N, Out))
@@ -163,7 +201,7 @@ def linear_backward(dx, dw, db, dy, x, w):
     with nogil:
         if kind == F32:
             _backward(<float*> dxp, <float*> dwp, <float*> dbp, <float*> dyp, <float*> xp,
-                      <float*> wp, n, i, o)
+                      <float*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width)
         else:
             _backward(<double*> dxp, <double*> dwp, <double*> dbp, <double*> dyp,
-                      <double*> xp, <double*> wp, n, i, o)
+                      <double*> xp, <double*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width)

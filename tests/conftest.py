@@ -8,7 +8,7 @@ from support import markers
 
 # Training runs choose each convolution by the built-in thresholds, not by timing: the suite's
 # figures then do not depend on what the machine measured, and no run pays for the timing.
-# tests/test_conv_tuning.py times them, with caches of its own.
+# tests/test_kernel_tuning.py times them, with caches of its own.
 os.environ.setdefault("DYNAR_KERNEL_TUNE", "0")
 
 

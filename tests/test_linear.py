@@ -100,6 +100,44 @@ def test_linear_thread_count_one_vs_two_is_bitwise(rng):
         np.testing.assert_array_equal(a, c)
 
 
+CUTS = [(linear.ROWS, 1), (linear.ROWS, 5), (linear.COLS, 7), (linear.COLS, 1024)]
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_every_cut_computes_the_products_and_thread_counts_agree_bitwise(cut, rng):
+    # Each product cut along each of its axes, in blocks narrower than, not dividing, and
+    # wider than the dimension cut (N = 11, in = 23, out = 30): the same sums as float64.
+    x = rng.standard_normal((11, 23)).astype(np.float32)
+    w = rng.standard_normal((30, 23)).astype(np.float32)
+    b = rng.standard_normal(30).astype(np.float32)
+    dy = rng.standard_normal((11, 30)).astype(np.float32)
+
+    def run():
+        y, dx, dw, db = np.empty((11, 30), np.float32), np.empty_like(x), \
+            np.zeros_like(w), np.zeros_like(b)
+        linear.linear_forward(y, x, w, b, cut)
+        linear.linear_backward(dx, dw, db, dy, x, w, dx_cut=cut, dw_cut=cut)
+        return y, dx, dw, db
+
+    one, two = at_thread_counts(run)
+    for a, c in zip(one, two):
+        np.testing.assert_array_equal(a, c)
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    for got, want in zip(one, (x64 @ w64.T + b, dy64 @ w64, dy64.T @ x64, dy64.sum(0))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cut", [(2, 64), (linear.ROWS, 0), (linear.COLS, -1), "rows",
+                                 (linear.ROWS, 64.0), None])
+def test_a_bad_cut_is_refused_by_name(cut):
+    x, w = np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32)
+    y, dy = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError, match="^cut"):
+        linear.linear_forward(y, x, w, None, cut)
+    with pytest.raises(ValueError, match="^dw_cut"):
+        linear.linear_backward(None, np.zeros_like(w), None, dy, x, w, dw_cut=cut)
+
+
 def test_linear_errors_name_the_argument():
     x = np.zeros((2, 3), np.float32)
     w = np.zeros((4, 3), np.float32)

@@ -105,6 +105,18 @@ def test_linear_matches_torch():
                   torch=torch)
 
 
+def test_linear_plan_is_checked_when_set():
+    layer = nn.Linear(7, 5)
+    layer.plan = "dw=in/16 y=batch/1 dx=batch/1024"     # any order, any width >= 1
+    assert layer.plan == "dw=in/16 y=batch/1 dx=batch/1024"
+    for bad, what in [("y=out/64 dx=in/64", "misses"), ("y=out/64 dx=out/64 dw=in/64", "got"),
+                      ("y=out/0 dx=in/64 dw=in/64", "got"), ("gemm", "got"),
+                      ("y=out/64 y=out/64 dx=in/64 dw=in/64", "got")]:
+        with pytest.raises(ValueError, match=f"Linear.plan: .*{what}"):
+            layer.plan = bad
+    assert layer.plan == "dw=in/16 y=batch/1 dx=batch/1024"   # a refused plan changes nothing
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_batchnorm_matches_torch_including_running_stats(training):
     torch = require_torch()

@@ -1,10 +1,36 @@
 """Linear: y = x @ w^T + b over (N, in) float32."""
 import numpy as np
 
-from ..kernels.linear import linear_backward, linear_forward
+from ..kernels.linear import COLS, ROWS, linear_backward, linear_forward
 from . import init
 from .module import Module
 from .parameter import Parameter
+
+# How each product's output is cut among threads (kernels/linear.pyx), by what the blocks
+# run along: y = x w^T by batch rows or output features, dx = dy w by batch rows or input
+# features, dw = dy^T x by output or input features.
+AXES = {"y": {"batch": ROWS, "out": COLS},
+        "dx": {"batch": ROWS, "in": COLS},
+        "dw": {"out": ROWS, "in": COLS}}
+# The cuts before tuning, and with DYNAR_KERNEL_TUNE=0: along w, 64 rows or columns a block.
+DEFAULT_PLAN = "y=out/64 dx=in/64 dw=out/64"
+
+
+def parse_plan(plan):
+    """{"y": (axis, width), "dx": ..., "dw": ...} of a plan such as DEFAULT_PLAN."""
+    cuts = {}
+    for part in str(plan).split():
+        product, _, cut = part.partition("=")
+        along, _, width = cut.partition("/")
+        if product not in AXES or product in cuts or along not in AXES[product] \
+                or not width.isdigit() or int(width) < 1:
+            raise ValueError(f"Linear.plan: expected e.g. {DEFAULT_PLAN!r} (y along batch or "
+                             f"out, dx along batch or in, dw along out or in, a width >= 1), "
+                             f"got {plan!r}")
+        cuts[product] = (AXES[product][along], int(width))
+    if set(cuts) != set(AXES):
+        raise ValueError(f"Linear.plan: {plan!r} misses {sorted(set(AXES) - set(cuts))}")
+    return cuts
 
 
 class Linear(Module):
@@ -20,10 +46,23 @@ class Linear(Module):
         init.torch_default_(self.weight.data, None if self.bias is None else self.bias.data,
                             generator)
         self._x = self._y = None
+        self.plan = DEFAULT_PLAN
+
+    @property
+    def plan(self):
+        """How the kernels cut the three products among threads (nn/kernel_tuning.py times
+        the choices): e.g. "y=out/64 dx=in/64 dw=out/64"."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, value):
+        self._cuts = parse_plan(value)
+        self._plan = value
 
     def forward(self, x):
         self._y = self._keep(self._y, (x.shape[0], self.out_features))
-        linear_forward(self._y, x, self.weight.data, None if self.bias is None else self.bias.data)
+        linear_forward(self._y, x, self.weight.data,
+                       None if self.bias is None else self.bias.data, self._cuts["y"])
         self._x = x
         return self._y
 
@@ -32,7 +71,7 @@ class Linear(Module):
         if self.input_requires_grad:
             dx = self._grad_buffer(self._x.shape)
         linear_backward(dx, self.weight.grad, None if self.bias is None else self.bias.grad,
-                        dy, self._x, self.weight.data)
+                        dy, self._x, self.weight.data, self._cuts["dx"], self._cuts["dw"])
         self._grad_ready()
         return dx
 

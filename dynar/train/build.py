@@ -4,7 +4,7 @@ of a job must build alike."""
 import os
 
 from .. import data, models, optim, weights
-from ..nn import conv_tuning
+from ..nn import kernel_tuning
 from . import checkpoint_dir
 from .checkpoint_dir import CheckpointDir
 from .state import require_writable
@@ -114,18 +114,19 @@ def start_from(cfg, job, folder, run_state):
 
 
 def choose_kernels(cfg, job, run_data, run_state, threads):
-    """Each convolution's algorithm, set on the model: a resumed run's from its checkpoint
-    (it continues bit for bit), else timed on rank 0 (nn/conv_tuning.py) at this rank's
-    micro-batch and run alike by every rank. Returns the records the log gets."""
+    """Each convolution's algorithm and fully connected layer's plan, set on the model: a
+    resumed run's from its checkpoint (it continues bit for bit), else timed on rank 0
+    (nn/kernel_tuning.py) at this rank's micro-batch and run alike by every rank. Returns
+    the records the log gets."""
     model = run_state.model
     if run_state.kernels:
         records = [{"layer": layer, "choice": choice, "source": "checkpoint"}
                    for layer, choice in run_state.kernels.items()]
     else:
         batch = run_data.train.batch_size // job.world // cfg.accumulate
-        records = job.from_rank0(lambda: conv_tuning.choose(model, batch, threads))
+        records = job.from_rank0(lambda: kernel_tuning.choose(model, batch, threads))
         run_state.kernels = {r["layer"]: r["choice"] for r in records}
-    conv_tuning.apply(model, records)
+    kernel_tuning.apply(model, records)
     return records
 
 

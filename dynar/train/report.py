@@ -142,15 +142,19 @@ class Reporter:
                          + (f"; first: {min(rank0_files)}" if rank0_files else ""))
 
     def kernels(self, records):
-        """The convolutions' algorithms (train/build.py's choose_kernels): one line, how many
-        layers run on each and where the choices came from, and a log record of each."""
+        """The convolutions' algorithms and the fully connected layers' plans
+        (train/build.py's choose_kernels): one line, how many convolutions run on each
+        algorithm and where the choices came from, and a log record of each."""
         if not self.enabled or not records:
             return
-        def count(field):
-            values = [r[field] for r in records]
+        def count(field, among):
+            values = [r[field] for r in among]
             return ", ".join(f"{values.count(v)} {v}" for v in sorted(set(values)))
-        self.message(f"kernels: {len(records)} convolutions on {count('choice')} "
-                     f"({count('source')})")
+        convs = [r for r in records if "=" not in r["choice"]]    # plans read "y=out/64 ..."
+        linears = len(records) - len(convs)
+        self.message(f"kernels: {len(convs)} convolutions on {count('choice', convs)}"
+                     + (f", {linears} fully connected layers' cuts" if linears else "")
+                     + f" ({count('source', records)})")
         self.event({"event": "kernels", "layers": records})
 
     def event(self, record):

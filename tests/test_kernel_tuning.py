@@ -1,5 +1,6 @@
-"""Each convolution's algorithm chosen by timing it on this machine (nn/conv_tuning.py): the
-fastest measured is run unless the thresholds' choice is within the noise; the choices are
+"""Each convolution's algorithm, and each fully connected layer's cut among threads, chosen by
+timing them on this machine (nn/kernel_tuning.py): the fastest measured is run unless the
+thresholds' (or the default plan's) choice is within the noise; the choices are
 cached per machine and thread count, logged, kept in the checkpoint (a resumed run runs
 what it ran) and, in a job, rank 0's on every rank; `python -m dynar.tune --kernels` fills
 the cache ahead of a job."""
@@ -12,7 +13,8 @@ import pytest
 
 from dynar import checkpoint, kernels, models
 from dynar.kernels import conv
-from dynar.nn import conv_algorithms, conv_tuning
+from dynar.nn import conv_algorithms, kernel_tuning
+from dynar.nn.linear import DEFAULT_PLAN, Linear
 from dynar.train import TrainConfig, train
 from mpirun import ROOT, mpi_env, mpiexec
 
@@ -28,15 +30,23 @@ def alexnet():
     return models.get("alexnet", num_classes=10, variant="cifar", seed=0)
 
 
+CONVS = ["features.0", "features.3", "features.6", "features.8", "features.10"]
+LINEARS = ["classifier.1", "classifier.4", "classifier.6"]
+
+
+def is_plan(choice):
+    return "=" in choice
+
+
 def test_with_tuning_off_the_thresholds_choose():
     model = alexnet()
-    records = conv_tuning.choose(model, 4, 1, tune=False)
-    assert [r["layer"] for r in records] == ["features.0", "features.3", "features.6",
-                                             "features.8", "features.10"]
-    for record, (_, layer, x_shape) in zip(records, conv_tuning.conv_input_shapes(model, 4)):
+    records = kernel_tuning.choose(model, 4, 1, tune=False)
+    assert [r["layer"] for r in records] == CONVS + LINEARS
+    for record, (_, layer, x_shape) in zip(records, kernel_tuning.tuned_layers(model, 4)):
         assert record["source"] == "rule"
-        assert record["choice"] == conv_algorithms.preferred(x_shape, layer.weight.shape,
-                                                             layer.stride, layer.padding)
+        assert record["choice"] == (DEFAULT_PLAN if isinstance(layer, Linear) else
+                                    conv_algorithms.preferred(x_shape, layer.weight.shape,
+                                                              layer.stride, layer.padding))
 
 
 def test_with_known_times_the_fastest_is_chosen_and_a_near_tie_goes_to_the_thresholds(
@@ -44,77 +54,104 @@ def test_with_known_times_the_fastest_is_chosen_and_a_near_tie_goes_to_the_thres
     # A fake timer: tapgemm fastest on every layer; on the first, the thresholds' own
     # choice only 4% behind it (within the noise margin), so that one is kept.
     model = alexnet()
-    rules = {key: conv_tuning.rule(x_shape, layer)
-             for _, layer, x_shape in conv_tuning.conv_input_shapes(model, 4)
-             for key in [conv_tuning._shape_key(x_shape, layer)]}
+    rules = {key: kernel_tuning.rule(x_shape, layer)
+             for _, layer, x_shape in kernel_tuning.tuned_layers(model, 4)
+             if not isinstance(layer, Linear)
+             for key in [kernel_tuning._shape_key(x_shape, layer)]}
     first = next(iter(rules))
 
     def fake(x_shape, layer, **_):
-        key = conv_tuning._shape_key(x_shape, layer)
+        key = kernel_tuning._shape_key(x_shape, layer)
         seconds = {"gemm": 5.0, "winograd": 4.0, "direct": 6.0, "tapgemm": 1.0}
         if key == first:
             seconds[rules[key]] = 1.04
         return {k: v for k, v in seconds.items()
                 if conv_algorithms.ALGORITHMS[k].supports(layer.weight.shape, layer.stride,
                                                           layer.padding)}
-    monkeypatch.setattr(conv_tuning, "time_algorithms", fake)
-    records = conv_tuning.choose(model, 4, 1)
+    # Fully connected layers: y fastest along the batch in blocks of 16, dw along the input
+    # features in blocks of 1024, dx's default cut within the noise of a faster one.
+    def fake_cuts(x_shape, layer, **_):
+        return {"y=out/64": 2.0, "y=batch/16": 1.0, "y=out/256": 1.5,
+                "dx=in/64": 1.03, "dx=batch/16": 1.0,
+                "dw=out/64": 2.0, "dw=in/1024": 1.0, "dw=out/1024": 1.2}
+    monkeypatch.setattr(kernel_tuning, "time_algorithms", fake)
+    monkeypatch.setattr(kernel_tuning, "time_cuts", fake_cuts)
+    records = kernel_tuning.choose(model, 4, 1)
     assert records[0]["choice"] == rules[first] != "tapgemm"
-    assert [r["choice"] for r in records[1:]] == ["tapgemm"] * 4
+    assert [r["choice"] for r in records[1:5]] == ["tapgemm"] * 4
     assert records[1]["ms"]["tapgemm"] == 1000.0
-    conv_tuning.apply(model, records)
+    assert [r["choice"] for r in records[5:]] == ["y=batch/16 dx=in/64 dw=in/1024"] * 3
+    kernel_tuning.apply(model, records)
     layers = dict(model.named_modules())
-    assert [layers[r["layer"]].algorithm for r in records] == [r["choice"] for r in records]
+    assert [layers[r["layer"]].algorithm for r in records[:5]] == \
+        [r["choice"] for r in records[:5]]
+    assert [layers[r["layer"]].plan for r in records[5:]] == [r["choice"] for r in records[5:]]
 
 
 def test_each_layer_gets_the_fastest_measured_and_the_cache_serves_the_next(cache,
                                                                              monkeypatch):
     with kernels.settings_kept():
         kernels.set_num_threads(1)
-        first = conv_tuning.choose(alexnet(), 4, 1)
+        first = kernel_tuning.choose(alexnet(), 4, 1)
         # The candidates' workspace is given back: the run grows it to its choices' need.
         assert conv.workspace_bytes() == 0
         for record in first:
             ms = record["ms"]
-            assert record["source"] == "measured" and set(ms) >= {"gemm", "tapgemm"}
+            assert record["source"] == "measured"
+            if is_plan(record["choice"]):
+                # Each product's cut: its fastest, or the default within the noise of it.
+                for cut in record["choice"].split():
+                    product = cut.partition("=")[0]
+                    times = {k: v for k, v in ms.items() if k.startswith(product + "=")}
+                    assert len(times) >= 2 and cut in times, (cut, times)
+                    assert times[cut] <= min(times.values()) * (1 + kernel_tuning.NOISE)
+                continue
+            assert set(ms) >= {"gemm", "tapgemm"}
             fastest = min(ms, key=ms.get)
             assert record["choice"] == fastest or \
-                ms[record["choice"]] <= ms[fastest] * (1 + conv_tuning.NOISE), record
+                ms[record["choice"]] <= ms[fastest] * (1 + kernel_tuning.NOISE), record
         (path,) = cache.glob("*.json")
         saved = json.loads(path.read_text())
         assert saved["machine"]["threads"] == 1 and saved["machine"]["cpu"]
         # Cached: nothing is timed again, the same choices come back.
         with monkeypatch.context() as patched:
-            patched.setattr(conv_tuning, "time_algorithms",
+            patched.setattr(kernel_tuning, "time_algorithms",
                             lambda *a, **k: pytest.fail("timed again"))
-            again = conv_tuning.choose(alexnet(), 4, 1)
-        assert [r["source"] for r in again] == ["cached"] * 5
+            again = kernel_tuning.choose(alexnet(), 4, 1)
+        assert [r["source"] for r in again] == ["cached"] * 8
         assert [r["choice"] for r in again] == [r["choice"] for r in first]
         # Another thread count is another machine for the cache.
         kernels.set_num_threads(2)
-        assert {r["source"] for r in conv_tuning.choose(alexnet(), 4, 2)} == {"measured"}
+        assert {r["source"] for r in kernel_tuning.choose(alexnet(), 4, 2)} == {"measured"}
         assert len(list(cache.glob("*.json"))) == 2
 
 
 def test_a_damaged_cache_is_timed_again_with_a_warning(cache, capsys):
-    conv_tuning.choose(models.get("lenet", seed=0), 4, 1)
+    kernel_tuning.choose(models.get("lenet", seed=0), 4, 1)
     (path,) = cache.glob("*.json")
     text = json.loads(path.read_text())
     next(iter(text["layers"].values()))["ms"]["direct"] = float("nan")
     path.write_text(json.dumps(text))
-    records = conv_tuning.choose(models.get("lenet", seed=0), 4, 1)
+    records = kernel_tuning.choose(models.get("lenet", seed=0), 4, 1)
     assert {r["source"] for r in records} == {"measured"}
     assert "unreadable" in capsys.readouterr().err
     path.write_text("{not json")
-    assert {r["source"] for r in conv_tuning.choose(models.get("lenet", seed=0), 4, 1)} == \
+    assert {r["source"] for r in kernel_tuning.choose(models.get("lenet", seed=0), 4, 1)} == \
         {"measured"}
     assert json.loads(path.read_text())["format"] == "dynar-kernel-choices"   # rewritten
+    text = json.loads(path.read_text())
+    (fc1,) = [entry for key, entry in text["layers"].items() if key.startswith("linear x=4x400")]
+    fc1["choice"] = "y=sideways/64 dx=in/64 dw=out/64"
+    path.write_text(json.dumps(text))
+    assert {r["source"] for r in kernel_tuning.choose(models.get("lenet", seed=0), 4, 1)} == \
+        {"measured"}
+    assert "unreadable" in capsys.readouterr().err
 
 
 def test_an_unknown_setting_of_the_switch_is_an_error(monkeypatch):
     monkeypatch.setenv("DYNAR_KERNEL_TUNE", "sometimes")
     with pytest.raises(ValueError, match="DYNAR_KERNEL_TUNE"):
-        conv_tuning.enabled()
+        kernel_tuning.enabled()
 
 
 def test_training_logs_the_choices_and_a_resumed_run_keeps_its_checkpoints(cache, tmp_path,
@@ -125,17 +162,20 @@ def test_training_logs_the_choices_and_a_resumed_run_keeps_its_checkpoints(cache
     train(TrainConfig(**cfg, max_steps=2, log=str(log)))
     (event,) = [json.loads(line) for line in log.read_text().splitlines()
                 if '"kernels"' in line]
-    assert [r["source"] for r in event["layers"]] == ["measured"] * 5
+    assert [r["source"] for r in event["layers"]] == ["measured"] * 8
     chosen = {r["layer"]: r["choice"] for r in event["layers"]}
     assert checkpoint.load(folder / "last.ckpt")["kernels"] == chosen
-    # Resumed from a checkpoint that says im2col everywhere: that is what runs.
+    # Resumed from a checkpoint that says im2col and a batch cut everywhere: that is what
+    # runs.
     monkeypatch.setenv("DYNAR_KERNEL_TUNE", "0")
     state = checkpoint.load(folder / "last.ckpt")
-    state["kernels"] = {layer: "gemm" for layer in chosen}
+    forced = "y=batch/16 dx=batch/16 dw=in/16"
+    state["kernels"] = {layer: forced if is_plan(c) else "gemm" for layer, c in chosen.items()}
     checkpoint.save(folder / "last.ckpt", state)
     result = train(TrainConfig(**cfg, max_steps=3, resume=str(folder), log=str(log)))
-    convs = {name: m for name, m in result.model.named_modules() if name in chosen}
-    assert {m.algorithm for m in convs.values()} == {"gemm"}
+    layers = dict(result.model.named_modules())
+    assert {layers[name].algorithm for name in CONVS} == {"gemm"}
+    assert {layers[name].plan for name in LINEARS} == {forced}
     last = [json.loads(line) for line in log.read_text().splitlines() if '"kernels"' in line]
     assert {r["source"] for r in last[-1]["layers"]} == {"checkpoint"}
 
@@ -149,7 +189,7 @@ def test_tune_kernels_fills_the_cache_training_then_reads(cache):
     assert "conv1" in done.stdout and "measured" in done.stdout
     with kernels.settings_kept():
         kernels.set_num_threads(1)
-        records = conv_tuning.choose(models.get("lenet", seed=0), 8, 1)
+        records = kernel_tuning.choose(models.get("lenet", seed=0), 8, 1)
     assert {r["source"] for r in records} == {"cached"}
     bad = subprocess.run([sys.executable, "-m", "dynar.tune", "--kernels"], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=60, stdin=subprocess.DEVNULL)
@@ -182,13 +222,16 @@ def test_every_rank_runs_rank_0s_choices(tmp_path):
         kernels.set_num_threads(1)
         os.environ["DYNAR_KERNEL_CACHE"] = str(forced)
         try:
-            conv_tuning.choose(alexnet(), 4, 1, tune=True)
+            kernel_tuning.choose(alexnet(), 4, 1, tune=True)
         finally:
             del os.environ["DYNAR_KERNEL_CACHE"]
     (path,) = forced.glob("*.json")
     text = json.loads(path.read_text())
-    for entry in text["layers"].values():
-        entry["choice"] = "gemm"
+    forced_choices = []
+    for key, entry in text["layers"].items():
+        entry["choice"] = "y=batch/16 dx=batch/16 dw=in/16" if key.startswith("linear") else \
+            "gemm"
+        forced_choices.append(entry["choice"])
     path.write_text(json.dumps(text))
     rank = [sys.executable, str(script)]
     cmd = [*mpiexec(), "-n", "1", "env", f"DYNAR_KERNEL_CACHE={empty}", *rank, ":",
@@ -197,5 +240,5 @@ def test_every_rank_runs_rank_0s_choices(tmp_path):
                           env=mpi_env({"DYNAR_KERNEL_TUNE": "1"}), stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     choices = dict(json.loads(line) for line in done.stdout.splitlines() if line.startswith("["))
-    assert choices[0] == choices[1] != ["gemm"] * 5, choices
+    assert choices[0] == choices[1] and sorted(choices[1]) != sorted(forced_choices), choices
     assert list(empty.glob("*.json"))                   # measured on rank 0

@@ -1,14 +1,16 @@
-"""Choosing each convolution layer's algorithm by timing the candidates on the machine that
-trains, instead of by thresholds measured on another CPU.
+"""Choosing each layer's kernel by timing the candidates on the machine that trains, instead
+of by thresholds measured on another CPU.
 
-For every distinct layer shape (input, weights, stride, padding, whether the layer needs an
-input gradient) at the kernels' thread count, each algorithm that supports it runs forward +
-backward a few times on scratch arrays; the fastest is kept. Results are cached in a file
-per machine and thread count (CPU model, ISA, dynar's kernel build), in
+Convolutions: for every distinct layer shape (input, weights, stride, padding, whether the
+layer needs an input gradient) at the kernels' thread count, each algorithm that supports it
+runs forward + backward a few times on scratch arrays; the fastest is kept. Fully connected
+layers: each of the three products (y, dx, dw) is timed cut among threads along each of its
+two axes in blocks of each width of CUT_WIDTHS (nn/linear.py's plan). Results are cached in a
+file per machine and thread count (CPU model, ISA, dynar's kernel build), in
 $DYNAR_KERNEL_CACHE or ~/.cache/dynar/kernels, so a shape is timed once per machine;
 `python -m dynar.tune --kernels` fills it ahead of a job. DYNAR_KERNEL_TUNE=0 keeps
-conv_algorithms.preferred's thresholds. A distributed job times on rank 0 and every rank
-runs rank 0's choice (train/build.py), so ranks compute alike.
+conv_algorithms.preferred's thresholds and linear.DEFAULT_PLAN. A distributed job times on
+rank 0 and every rank runs rank 0's choice (train/build.py), so ranks compute alike.
 """
 import hashlib
 import json
@@ -22,14 +24,21 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic_write import write_text
-from ..kernels import conv, direct, im2col, tapgemm, winograd
+from ..kernels import conv, direct, im2col, linear as linear_kernels, tapgemm, winograd
 from . import conv_algorithms
 from .conv import Conv2d as ConvLayer
+from .linear import AXES, DEFAULT_PLAN, Linear, parse_plan
 
 _FORMAT, _VERSION = "dynar-kernel-choices", 1
 REPEATS = 3
 NOISE = 0.05      # a lead smaller than this over the thresholds' choice does not count
 BUDGET_S = 0.5    # a candidate slower than this and well behind is not timed again
+# Block widths a fully connected product is timed at: narrow blocks share a small layer out
+# among threads, wide ones re-pack the operand all blocks share less often (a 4096-wide
+# layer's dw ran 1.3x faster in blocks of 1024 than of 64 on a Zen 2).
+# 64, the default plan's, first: a width giving the same blocks as one timed before is not
+# timed again, so the default's cut keeps its name.
+CUT_WIDTHS = (64, 16, 256, 1024)
 # CPU features that decide which kernels are fast; the rest of /proc/cpuinfo's flags do not.
 _FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile",
              "amx_bf16", "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2")
@@ -65,7 +74,7 @@ def machine(threads):
     except OSError:
         pass
     build = hashlib.sha256()
-    for module in (conv, direct, im2col, tapgemm, winograd):
+    for module in (conv, direct, im2col, linear_kernels, tapgemm, winograd):
         build.update(Path(module.__file__).read_bytes())
     return {"cpu": model, "arch": platform.machine(),
             "features": sorted(flags.intersection(_FEATURES)),
@@ -85,8 +94,9 @@ def _load(path, about):
         ok = (record.get("format") == _FORMAT and record.get("version") == _VERSION
               and record.get("machine") == about and isinstance(record.get("layers"), dict))
         layers = record["layers"] if ok else {}
-        for entry in layers.values():
-            if entry.get("choice") not in conv_algorithms.ALGORITHMS or not all(
+        for key, entry in layers.items():
+            if not (_valid_plan(entry.get("choice")) if key.startswith("linear ") else
+                    entry.get("choice") in conv_algorithms.ALGORITHMS) or not all(
                     isinstance(v, (int, float)) and math.isfinite(v) and v > 0
                     for v in entry.get("ms", {}).values()):
                 raise ValueError("a layer entry is malformed")
@@ -99,8 +109,19 @@ def _load(path, about):
         return {}
 
 
+def _valid_plan(plan):
+    try:
+        parse_plan(plan)
+        return True
+    except ValueError:
+        return False
+
+
 def _shape_key(x_shape, layer):
     dims = "x".join
+    if isinstance(layer, Linear):
+        return (f"linear x={dims(map(str, x_shape))} w={dims(map(str, layer.weight.shape))} "
+                f"b={int(layer.bias is not None)} dx={int(layer.input_requires_grad)}")
     return (f"x={dims(map(str, x_shape))} w={dims(map(str, layer.weight.shape))} "
             f"s={dims(map(str, layer.stride))} p={dims(map(str, layer.padding))} "
             f"dx={int(layer.input_requires_grad)}")
@@ -127,16 +148,11 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
         kernel = conv_algorithms.ALGORITHMS[name]
         if not kernel.supports(w.shape, layer.stride, layer.padding):
             continue
-        best, calls = math.inf, 0
+        def step():
+            kernel.forward(y, x, w, b, layer.stride, layer.padding)
+            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding)
         try:
-            while calls <= repeats:
-                start = time.perf_counter()
-                kernel.forward(y, x, w, b, layer.stride, layer.padding)
-                kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding)
-                best, calls = min(best, time.perf_counter() - start), calls + 1
-                leader = min(seconds.values(), default=math.inf)
-                if best > 3 * leader or (best > 1.5 * leader and best > BUDGET_S):
-                    break                           # far behind: no need to be precise
+            best = _best_of(step, repeats, seconds)
         finally:
             # A losing candidate's workspace need is not the run's: give it back.
             conv.release_workspace()
@@ -144,8 +160,73 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     return seconds
 
 
+def time_cuts(x_shape, layer, repeats=REPEATS):
+    """{"y=out/64": best seconds, ...}: each product of fully connected `layer` (input
+    `x_shape`) cut each way, the rest of its call at DEFAULT_PLAN's cut; a width that gives
+    the same blocks as one before it is not timed. Bounded as time_algorithms."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = layer.weight.data
+    b = None if layer.bias is None else np.zeros(layer.out_features, np.float32)
+    y = np.empty((x_shape[0], layer.out_features), np.float32)
+    dy = rng.standard_normal(y.shape, dtype=np.float32)
+    dx = np.empty_like(x)
+    dw, db = np.zeros_like(w), None if b is None else np.zeros_like(b)
+    default = parse_plan(DEFAULT_PLAN)
+    calls = {"y": lambda cut: linear_kernels.linear_forward(y, x, w, b, cut),
+             "dx": lambda cut: linear_kernels.linear_backward(dx, dw, None, dy, x, w, cut,
+                                                              default["dw"]),
+             "dw": lambda cut: linear_kernels.linear_backward(None, dw, db, dy, x, w,
+                                                              default["dx"], cut)}
+    extents = {"y": y.shape, "dx": x.shape, "dw": w.shape}
+    seconds = {}
+    for product, axes in AXES.items():
+        if product == "dx" and not layer.input_requires_grad:
+            continue
+        timed = {}
+        for along, axis in axes.items():
+            blocks_seen = set()
+            for width in CUT_WIDTHS:
+                blocks = -(-extents[product][axis] // width)
+                if blocks in blocks_seen:
+                    continue
+                blocks_seen.add(blocks)
+                best = _best_of(lambda: calls[product]((axis, width)), repeats, timed)
+                timed[f"{product}={along}/{width}"] = best
+        seconds.update(timed)
+    return seconds
+
+
+def _best_of(call, repeats, rivals):
+    """The best of `call`'s times over 1 + `repeats` calls, fewer when it falls far behind
+    the best of `rivals` (time_algorithms' bound)."""
+    best, calls = math.inf, 0
+    while calls <= repeats:
+        start = time.perf_counter()
+        call()
+        best, calls = min(best, time.perf_counter() - start), calls + 1
+        leader = min(rivals.values(), default=math.inf)
+        if best > 3 * leader or (best > 1.5 * leader and best > BUDGET_S):
+            break                           # far behind: no need to be precise
+    return best
+
+
 def rule(x_shape, layer):
+    """The choice without timing: the thresholds', or the default plan."""
+    if isinstance(layer, Linear):
+        return DEFAULT_PLAN
     return conv_algorithms.preferred(x_shape, layer.weight.shape, layer.stride, layer.padding)
+
+
+def _choose_plan(ms):
+    """The plan of each product's fastest cut (DEFAULT_PLAN's within NOISE of it kept)."""
+    prior = dict(part.split("=") for part in DEFAULT_PLAN.split())
+    chosen = []
+    for product in AXES:
+        times = {k.partition("=")[2]: v for k, v in ms.items() if k.startswith(product + "=")}
+        cut = _fastest(times, prior[product]) if times else prior[product]
+        chosen.append(f"{product}={cut}")
+    return " ".join(chosen)
 
 
 def _fastest(ms, prior):
@@ -155,10 +236,11 @@ def _fastest(ms, prior):
     return prior if ms.get(prior, math.inf) <= ms[best] * (1 + NOISE) else best
 
 
-def conv_input_shapes(model, batch):
-    """[(name, layer, input shape)] of the model's "auto" convolutions at `batch` images, by
-    one forward of one image of zeros in eval mode (no statistics or random state touched;
-    a batch's worth of activations would be held until the first training step)."""
+def tuned_layers(model, batch):
+    """[(name, layer, input shape)] of the model's "auto" convolutions and its fully
+    connected layers at `batch` images, the convolutions' by one forward of one image of
+    zeros in eval mode (no statistics or random state touched; a batch's worth of
+    activations would be held until the first training step)."""
     was_training = model.training
     model.eval()
     try:
@@ -166,19 +248,22 @@ def conv_input_shapes(model, batch):
     finally:
         model.train(was_training)
     return [(name, m, (batch,) + tuple(m._x_shape[1:])) for name, m in model.named_modules()
-            if isinstance(m, ConvLayer) and m.algorithm == "auto"]
+            if isinstance(m, ConvLayer) and m.algorithm == "auto"] + \
+        [(name, m, (batch, m.in_features)) for name, m in model.named_modules()
+         if isinstance(m, Linear)]
 
 
 def choose(model, batch, threads, tune=None):
-    """[{layer, shape, choice, source, ms}] for each "auto" convolution of `model` trained
-    at `batch` images per step and `threads` kernel threads: timed here ("measured"),
-    from the cache ("cached"), or by the thresholds ("rule", when tuning is off)."""
+    """[{layer, shape, choice, source, ms}] for each "auto" convolution and each fully
+    connected layer of `model` trained at `batch` images per step and `threads` kernel
+    threads: timed here ("measured"), from the cache ("cached"), or by the thresholds
+    ("rule", when tuning is off)."""
     tune = enabled() if tune is None else tune
     about = machine(threads) if tune else None
     path = _cache_path(about) if tune else None
     cached = _load(path, about) if tune else {}
     found, records = {}, []
-    for name, layer, x_shape in conv_input_shapes(model, batch):
+    for name, layer, x_shape in tuned_layers(model, batch):
         key = _shape_key(x_shape, layer)
         if not tune:
             records.append({"layer": name, "shape": key, "choice": rule(x_shape, layer),
@@ -186,9 +271,15 @@ def choose(model, batch, threads, tune=None):
             continue
         source = "cached" if key in cached else "measured"
         if key not in cached and key not in found:
-            prior = rule(x_shape, layer)
-            ms = {k: 1e3 * v for k, v in time_algorithms(x_shape, layer, first=prior).items()}
-            found[key] = {"choice": _fastest(ms, prior), "ms": ms}
+            if isinstance(layer, Linear):
+                ms = {k: 1e3 * v for k, v in time_cuts(x_shape, layer).items()}
+                choice = _choose_plan(ms)
+            else:
+                prior = rule(x_shape, layer)
+                ms = {k: 1e3 * v
+                      for k, v in time_algorithms(x_shape, layer, first=prior).items()}
+                choice = _fastest(ms, prior)
+            found[key] = {"choice": choice, "ms": ms}
         entry = cached.get(key) or found[key]
         records.append({"layer": name, "shape": key, "choice": entry["choice"],
                         "source": source, "ms": entry["ms"]})
@@ -208,7 +299,12 @@ def _save(path, about, layers):
 
 
 def apply(model, records):
-    """Set each convolution named in `records` to its chosen algorithm."""
+    """Set each convolution named in `records` to its chosen algorithm, each fully connected
+    layer to its plan."""
     layers = dict(model.named_modules())
     for record in records:
-        layers[record["layer"]].algorithm = record["choice"]
+        layer = layers[record["layer"]]
+        if isinstance(layer, Linear):
+            layer.plan = record["choice"]
+        else:
+            layer.algorithm = record["choice"]
