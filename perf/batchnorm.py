@@ -8,7 +8,10 @@ BatchNorm alone; dynamic sync's exploration would also make the runs twice as lo
 (b) 4 emulated hosts x 1 rank at 10 Gbit/s (perf/cluster; needs root): recursive doubling
     over the shaped TCP links;
 (c) the scale simulator's prediction for 1 ... 512 nodes (perf/scale.py,
-    `predict_batchnorm`), on the Tianhe-3-like link.
+    `predict_batchnorm`), on the Tianhe-3-like link;
+(d) controls, paired runs only, that tell the network from the emulation's sharing of this
+    machine's cores: 4 ranks on this machine (two a core, as (b), no network) and 2
+    emulated hosts at 10 Gbit/s (the network, a core a rank).
 
 The two modes alternate launch by launch (A B A B) and each figure is the median over the
 measured steps of its launches (perf/dist.py's `_dynar`: warm-up steps excluded). Besides
@@ -240,6 +243,22 @@ def breakdown(launcher, local_records, quick):
     return rows
 
 
+def controls(launchers, quick):
+    """(d): each model's paired cost on each launcher."""
+    return [{"model": f"{name}-{variant}", "network": launcher.label, "ranks": launcher.ranks,
+             **paired_cost(launcher, name, variant, rounds=6 if quick else 16)}
+            for launcher in launchers for name, variant in MODELS]
+
+
+def controls_table(rows):
+    return harness.format_table(
+        ["model", "network", "ranks", "paired steps, local / global ms",
+         "global's cost, paired"],
+        [[r["model"], r["network"], r["ranks"],
+          f"{1000 * r['local_s']:.0f} / {1000 * r['global_s']:.0f}",
+          f"{100 * r['overhead']:+.2f}%"] for r in rows])
+
+
 def breakdown_table(rows):
     return harness.format_table(
         ["model", "network", "ranks", "local step ms", "split kernels ms/step",
@@ -300,6 +319,7 @@ def run(quick=False):
     records = compare(local, MODELS, rounds=1 if quick else 2,
                       steps_scale=0.5 if quick else 1.0)
     parts = breakdown(local, records, quick)
+    control_rows = controls([dist_suite.LocalLauncher(CLUSTER_HOSTS)], quick)
     tables = [table(records), breakdown_table(parts)]
     print("\n\n".join(tables) + "\n", flush=True)
     from .cluster import cluster, network, suite as cluster_suite
@@ -312,17 +332,24 @@ def run(quick=False):
             cluster_records = compare(launcher, MODELS, rounds=1,
                                       steps_scale=0.5 if quick else 1.0)
             cluster_parts = breakdown(launcher, cluster_records, quick)
+        with tempfile.TemporaryDirectory() as tune_dir, \
+                cluster.Cluster(hosts=2, ranks_per_host=1, rate=CLUSTER_RATE) as c:
+            launcher = cluster_suite._Launcher(c, 2, 1, CLUSTER_RATE, tune_dir)
+            control_rows += controls([launcher], quick)
         records += cluster_records
         parts += cluster_parts
         tables += [table(cluster_records), breakdown_table(cluster_parts)]
         print("\n\n".join(tables[-2:]) + "\n", flush=True)
     else:
         print(f"emulated cluster skipped: {reason}\n")
+    tables.append(controls_table(control_rows))
+    print(tables[-1] + "\n", flush=True)
     rows = predictions(quick)
     tables.append(prediction_table(rows))
     print(tables[-1], flush=True)
     path = harness.write_result("batchnorm", {"quick": quick, "records": records,
-                                              "breakdown": parts, "predictions": rows,
+                                              "breakdown": parts, "controls": control_rows,
+                                              "predictions": rows,
                                               "cluster": ok or reason,
                                               "table": "\n\n".join(tables)})
     print(f"\nwrote {path}")
