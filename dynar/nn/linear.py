@@ -6,7 +6,7 @@ from . import init
 from .module import Module
 from .parameter import Parameter
 
-# How each product's output is cut among threads (kernels/linear.pyx), by what the blocks
+# How each product's output is cut among threads (pyx/linear.pyx), by what the blocks
 # run along: y = x w^T by batch rows or output features, dx = dy w by batch rows or input
 # features, dw = dy^T x by output or input features.
 AXES = {"y": {"batch": ROWS, "out": COLS},
