@@ -41,9 +41,10 @@ def build_parser():
                    help="message sizes in bytes (default 4 B ... 256 MB, powers of 4)")
     p.add_argument("--repeats", type=int, default=tuning.FULL_REPEATS,
                    help="timed calls per algorithm and size (median taken)")
-    kernels = p.add_argument_group("convolution kernels (--kernels)")
+    kernels = p.add_argument_group("layer kernels (--kernels)")
     kernels.add_argument("--kernels", action="store_true",
-                         help="time the convolution algorithms of --model instead")
+                         help="time the convolution algorithms and fully connected layers' "
+                              "cuts of --model instead")
     kernels.add_argument("--model", help="the model whose layers to time (dynar.models)")
     kernels.add_argument("--variant", help="its input size variant (cifar, imagenet, ...)")
     kernels.add_argument("--batch-size", type=int, default=32,

@@ -35,9 +35,9 @@ NOISE = 0.05      # a lead smaller than this over the thresholds' choice does no
 BUDGET_S = 0.5    # a candidate slower than this and well behind is not timed again
 # Block widths a fully connected product is timed at: narrow blocks share a small layer out
 # among threads, wide ones re-pack the operand all blocks share less often (a 4096-wide
-# layer's dw ran 1.3x faster in blocks of 1024 than of 64 on a Zen 2).
-# 64, the default plan's, first: a width giving the same blocks as one timed before is not
-# timed again, so the default's cut keeps its name.
+# layer's dw ran 1.3x faster in blocks of 1024 than of 64 on a Zen 2). The default plan's
+# 64 comes first: a width that gives the same blocks as one timed before is skipped, so the
+# default's cut keeps its name.
 CUT_WIDTHS = (64, 16, 256, 1024)
 # CPU features that decide which kernels are fast; the rest of /proc/cpuinfo's flags do not.
 _FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile",
@@ -48,8 +48,8 @@ def enabled():
     """Whether layers are timed (DYNAR_KERNEL_TUNE, default on; 0 keeps the thresholds)."""
     value = os.environ.get("DYNAR_KERNEL_TUNE", "1").strip().lower()
     if value not in ("0", "1", "off", "on", "no", "yes", "false", "true", ""):
-        raise ValueError(f"DYNAR_KERNEL_TUNE={value!r}: expected 1 (time the convolution "
-                         f"algorithms) or 0 (choose by the built-in thresholds)")
+        raise ValueError(f"DYNAR_KERNEL_TUNE={value!r}: expected 1 (time the kernels' "
+                         f"candidates) or 0 (choose by the built-in thresholds)")
     return value not in ("0", "off", "no", "false")
 
 
