@@ -36,6 +36,7 @@ MODULES = {
     "batchnorm": "dynar.kernels.batchnorm",
     "loss": "dynar.kernels.loss",
     "sgd": "dynar.kernels.sgd",
+    "bf16": "dynar.kernels.bf16",
 }
 # Modules that call MPI: compiled with the flags of the MPI compiler wrapper.
 MPI_MODULES = {

@@ -3,13 +3,14 @@
  * Both round to nearest, ties to even, like a hardware conversion would. fp16 uses the
  * compiler's _Float16 where it has one (GCC >= 12 on x86-64 with F16C, and aarch64, turn the
  * casts into vector conversion instructions); elsewhere a bit-level conversion with the same
- * results. bfloat16 is the upper half of a float32, so its conversion is always bit-level.
- * NaN stays NaN (quiet) in both directions.
+ * results. bfloat16 is the rounding every bf16 path shares (bf16.h). NaN stays NaN (quiet)
+ * in both directions.
  */
 #ifndef DYNAR_WIRE16_H
 #define DYNAR_WIRE16_H
 #include <stdint.h>
 #include <string.h>
+#include "bf16.h"
 
 static inline uint32_t dynar_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float dynar_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -57,16 +58,5 @@ static inline float dynar_f16_to_f32(uint16_t h) {
     return dynar_bits_f32(sign | dynar_f32_bits(mag));
 }
 #endif
-
-static inline uint16_t dynar_f32_to_bf16(float f) {
-    uint32_t x = dynar_f32_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t) ((x >> 16) | 0x0040u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t) (x >> 16);
-}
-static inline float dynar_bf16_to_f32(uint16_t b) {
-    return dynar_bits_f32((uint32_t) b << 16);
-}
 
 #endif

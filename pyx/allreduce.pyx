@@ -62,8 +62,8 @@ cdef extern from "mpi_vendor.h":
 cdef extern from "wire16.h" nogil:
     uint16_t dynar_f32_to_f16(float)
     float dynar_f16_to_f32(uint16_t)
-    uint16_t dynar_f32_to_bf16(float)
-    float dynar_bf16_to_f32(uint16_t)
+    uint16_t dynar_bf16_from_float(float)
+    float dynar_bf16_to_float(uint16_t)
 
 COMPILED_VENDOR = DYNAR_MPI_VENDOR.decode()
 COMPILED_VERSION = DYNAR_MPI_VERSION.decode()
@@ -177,11 +177,11 @@ cdef void _sum_sources(real* dst, const real** src, int count, Py_ssize_t n, rea
 
 
 cdef inline float _widen(Wire wire, uint16_t v) noexcept nogil:
-    return dynar_f16_to_f32(v) if wire == WIRE_FP16 else dynar_bf16_to_f32(v)
+    return dynar_f16_to_f32(v) if wire == WIRE_FP16 else dynar_bf16_to_float(v)
 
 
 cdef inline uint16_t _narrow(Wire wire, float v) noexcept nogil:
-    return dynar_f32_to_f16(v) if wire == WIRE_FP16 else dynar_f32_to_bf16(v)
+    return dynar_f32_to_f16(v) if wire == WIRE_FP16 else dynar_bf16_from_float(v)
 
 
 cdef void _accumulate_wire(Wire wire, float* dst, const uint16_t* src, Py_ssize_t n,
@@ -195,7 +195,7 @@ cdef void _accumulate_wire(Wire wire, float* dst, const uint16_t* src, Py_ssize_
             dst[i] = (dynar_f16_to_f32(src[i]) * weight + dst[i]) / count
     else:
         for i in range(n):
-            dst[i] = (dynar_bf16_to_f32(src[i]) * weight + dst[i]) / count
+            dst[i] = (dynar_bf16_to_float(src[i]) * weight + dst[i]) / count
 
 
 # The largest finite value of each wire format: 65504 (fp16), 0x7f7f as bfloat16.
@@ -210,7 +210,7 @@ cdef void _narrow_all(Wire wire, uint16_t* dst, const float* src, Py_ssize_t n) 
             dst[i] = dynar_f32_to_f16(src[i])
     else:
         for i in range(n):
-            dst[i] = dynar_f32_to_bf16(src[i])
+            dst[i] = dynar_bf16_from_float(src[i])
 
 
 cdef void _widen_all(Wire wire, float* dst, const uint16_t* src, Py_ssize_t n) noexcept nogil:
@@ -220,7 +220,7 @@ cdef void _widen_all(Wire wire, float* dst, const uint16_t* src, Py_ssize_t n) n
             dst[i] = dynar_f16_to_f32(src[i])
     else:
         for i in range(n):
-            dst[i] = dynar_bf16_to_f32(src[i])
+            dst[i] = dynar_bf16_to_float(src[i])
 
 
 # ---- point-to-point helpers ---------------------------------------------------------------
