@@ -7,6 +7,7 @@ from ..kernels.conv import output_shape
 from . import conv_algorithms, init
 from .module import Module
 from .parameter import Parameter
+from .precision import Bf16Operands
 
 ALGORITHMS = ("auto",) + tuple(conv_algorithms.ALGORITHMS)
 
@@ -15,8 +16,8 @@ def _pair(v):
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
-class Conv2d(Module):
-    _keeps = ("_x", "_y")
+class Conv2d(Bf16Operands, Module):
+    _keeps = ("_x", "_y", "_rounded_weight")
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  generator=None):
@@ -66,7 +67,9 @@ class Conv2d(Module):
             self._run_forward, self._run_backward = kernel.forward, kernel.backward
         self._y = self._keep(self._y, self._y_shape)
         bias = None if self.bias is None else self.bias.data
-        self._run_forward(self._y, x, self.weight.data, bias, self.stride, self.padding)
+        xr, w, scratch = self._forward_operands(x)
+        self._run_forward(self._y, xr, w, bias, self.stride, self.padding)
+        self._give_back(scratch)
         self._x = x
         return self._y
 
@@ -75,8 +78,9 @@ class Conv2d(Module):
         if self.input_requires_grad:
             dx = self._grad_buffer(self._x_shape)
         db = None if self.bias is None else self.bias.grad
-        self._run_backward(dx, self.weight.grad, db, dy, self._x, self.weight.data,
-                           self.stride, self.padding)
+        dyr, xr, w, scratch = self._backward_operands(dy, self._x)
+        self._run_backward(dx, self.weight.grad, db, dyr, xr, w, self.stride, self.padding)
+        self._give_back(scratch)
         self._grad_ready()
         return dx
 

@@ -5,6 +5,7 @@ from ..kernels.linear import COLS, ROWS, linear_backward, linear_forward
 from . import init
 from .module import Module
 from .parameter import Parameter
+from .precision import Bf16Operands
 
 # How each product's output is cut among threads (pyx/linear.pyx), by what the blocks
 # run along: y = x w^T by batch rows or output features, dx = dy w by batch rows or input
@@ -33,8 +34,8 @@ def parse_plan(plan):
     return cuts
 
 
-class Linear(Module):
-    _keeps = ("_x", "_y")
+class Linear(Bf16Operands, Module):
+    _keeps = ("_x", "_y", "_rounded_weight")
 
     def __init__(self, in_features, out_features, bias=True, generator=None):
         super().__init__()
@@ -61,8 +62,10 @@ class Linear(Module):
 
     def forward(self, x):
         self._y = self._keep(self._y, (x.shape[0], self.out_features))
-        linear_forward(self._y, x, self.weight.data,
-                       None if self.bias is None else self.bias.data, self._cuts["y"])
+        xr, w, scratch = self._forward_operands(x)
+        linear_forward(self._y, xr, w, None if self.bias is None else self.bias.data,
+                       self._cuts["y"])
+        self._give_back(scratch)
         self._x = x
         return self._y
 
@@ -70,8 +73,10 @@ class Linear(Module):
         dx = None
         if self.input_requires_grad:
             dx = self._grad_buffer(self._x.shape)
+        dyr, xr, w, scratch = self._backward_operands(dy, self._x)
         linear_backward(dx, self.weight.grad, None if self.bias is None else self.bias.grad,
-                        dy, self._x, self.weight.data, self._cuts["dx"], self._cuts["dw"])
+                        dyr, xr, w, self._cuts["dx"], self._cuts["dw"])
+        self._give_back(scratch)
         self._grad_ready()
         return dx
 

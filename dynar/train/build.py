@@ -142,7 +142,8 @@ def settings_ranks_share(cfg):
             "data": [cfg.dataset, cfg.seed, cfg.augment, cfg.skip_bad_images],
             "optimizer": [cfg.lr, cfg.momentum, cfg.weight_decay, cfg.nesterov, cfg.schedule,
                           cfg.warmup_epochs, cfg.epochs, cfg.max_steps, cfg.no_wd_bn_bias],
-            "recipe": [cfg.label_smoothing, cfg.clip_grad_norm, cfg.eval_only],
+            "recipe": [cfg.label_smoothing, cfg.clip_grad_norm, cfg.eval_only, cfg.precision,
+                       cfg.allow_precision_change],
             "evaluation": [cfg.eval_every],
             "checkpoints": [cfg.checkpoint_dir is not None, cfg.checkpoint_every]}
 

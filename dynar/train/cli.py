@@ -13,6 +13,7 @@ from .. import data, models
 from ..dist import planner, wire
 from ..dist.data_parallel import BATCHNORM_MODES, NonFiniteError
 from ..dist.job import CollectiveError, Job
+from ..nn.precision import PRECISIONS
 from .config import SCHEDULES, TrainConfig, defaults_table
 from .loop import train
 from . import preemption
@@ -194,6 +195,14 @@ def build_parser():
       help="what BatchNorm normalizes over across ranks: global (the global batch, as "
            "PyTorch's SyncBatchNorm: the rank count never changes the result; default) or "
            "local (each rank's share, as DDP's default)")
+    a("--precision", choices=PRECISIONS, default=_DEFAULTS.precision,
+      help="bf16: convolutions and fully connected layers compute on bf16 operands with "
+           "float32 sums; weights, gradients, their allreduce, BatchNorm, the loss and the "
+           "optimizer stay float32 (no loss scaling needed). On a CPU without bf16 "
+           "instructions dynar says so and runs fp32 (default fp32)")
+    a("--allow-precision-change", action="store_true",
+      help="let --resume continue a run saved in the other --precision (the weights are "
+           "float32 either way)")
     recipe = p.add_argument_group("recipe")
     r = recipe.add_argument
     r("--label-smoothing", type=_fraction, default=_DEFAULTS.label_smoothing, metavar="EPS",

@@ -46,6 +46,8 @@ class TrainConfig:
     data_workers: int = None
     skip_bad_images: bool = False
     batchnorm: str = "global"
+    precision: str = "fp32"
+    allow_precision_change: bool = False
     label_smoothing: float = 0.0
     clip_grad_norm: float = None
     accumulate: int = 1

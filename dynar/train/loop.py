@@ -20,6 +20,7 @@ from .. import kernels, nn
 from ..dist.data_parallel import DataParallel, SyncConfig
 from ..dist.job import Job
 from ..dist.trace import Tracer
+from ..nn import precision
 from . import checkpoint_dir, preemption, state
 from .build import (build_model_and_data, build_optimizer, build_schedule, choose_kernels,
                     output_folder, settings_ranks_share, start_from, what_ranks_built)
@@ -51,6 +52,11 @@ class Trainer:
         kernels.set_num_threads(self.threads)
         kernels.set_flush_denormals(True)
         self.model, ds, self.num_classes = build_model_and_data(cfg, job)
+        # Rank 0's CPU decides, so that every rank computes alike (the bf16 path runs on
+        # any CPU); cfg then says what runs, for the log and the checkpoint.
+        ran, self.precision_note = job.from_rank0(lambda: precision.resolve(cfg.precision))
+        self.cfg = cfg = dataclasses.replace(cfg, precision=ran)
+        precision.set_precision(self.model, ran)
         self.data = RunData(cfg, ds, job, self.threads)
         self.criterion = nn.CrossEntropyLoss(cfg.label_smoothing)
         self.held_out_loss = nn.CrossEntropyLoss()     # the metric, whatever the recipe
@@ -176,7 +182,8 @@ class Trainer:
             ranks=self.job.world, sync=parallel["sync"], node_replica=parallel["node replica"],
             compress=parallel["compress"],
             data_workers=self.data.workers if self.data.images else None,
-            batchnorm=cfg.batchnorm if self.model.batch_norm_layers() else None, **reached,
+            batchnorm=cfg.batchnorm if self.model.batch_norm_layers() else None,
+            precision=cfg.precision, **reached,
             param_checksum=float(np.sum(self.model.flat_params, dtype=np.float64)), **fields)
 
     def run_eval_only(self):
@@ -197,6 +204,8 @@ class Trainer:
         log's summary record (rank 0; None on the other ranks)."""
         cfg, report, at = self.cfg, self.report, self.position
         report.config(dataclasses.asdict(cfg))
+        if self.precision_note:
+            report.message(self.precision_note)
         if cfg.eval_only:
             return self.run_eval_only()
         report.message(start_line(cfg, self.data, self.job.world, self.threads,

@@ -210,7 +210,8 @@ def start_line(cfg, run_data, world, threads, threads_from, batch_norm):
             + (f" in {cfg.accumulate} micro-batches" if cfg.accumulate > 1 else "")
             + f", {world} rank(s) x {threads} thread(s) ({threads_from}), "
             f"{steps_per_epoch} steps/epoch"
-            + (f", batchnorm {cfg.batchnorm}" if batch_norm else ""))
+            + (f", batchnorm {cfg.batchnorm}" if batch_norm else "")
+            + (f", precision {cfg.precision}" if cfg.precision != "fp32" else ""))
 
 
 def held_out_line(result):

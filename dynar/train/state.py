@@ -18,7 +18,7 @@ RESUME_SETTINGS = ("model", "input_shape", "num_classes", "dataset", "batch_size
                    "augment", "dropout", "epochs", "lr", "momentum", "weight_decay",
                    "nesterov", "schedule", "step_epochs", "milestones", "gamma",
                    "warmup_epochs", "batchnorm", "label_smoothing", "clip_grad_norm",
-                   "accumulate", "no_wd_bn_bias")
+                   "accumulate", "no_wd_bn_bias", "precision")
 # What evaluating a checkpoint (--eval-only) needs of it: the same model.
 EVAL_SETTINGS = ("model", "input_shape", "num_classes", "dropout")
 _SETTING_FLAGS = {"input_shape": "--variant"}
@@ -78,6 +78,8 @@ class Run:
         saved = state["config"]
         # An image folder's classes name the outputs: checked either way.
         checked = (EVAL_SETTINGS if evaluate_only else RESUME_SETTINGS) + ("classes",)
+        if getattr(self.cfg, "allow_precision_change", False):
+            checked = tuple(k for k in checked if k != "precision")
         mine = {k: v for k, v in self.settings().items() if k in checked}
         if "input_shape" not in saved:      # saved before the shape was: compare the flag
             mine = dict(mine, variant=self.cfg.variant)
@@ -90,9 +92,11 @@ class Run:
                     f"--data-dir must hold the same classes)")
             if key in saved and saved[key] != mine[key]:
                 flag = _SETTING_FLAGS.get(key, "--" + key.replace("_", "-"))
+                hint = ("or pass --allow-precision-change" if key == "precision"
+                        else "give it the same settings")
                 raise checkpoint.CheckpointError(
                     f"{path}: saved with {flag} {saved[key]!r}, this run has {mine[key]!r} "
-                    f"(resuming continues that run: give it the same settings)")
+                    f"(resuming continues that run: {hint})")
         self.model.load_state_dict(state["model"])
         if evaluate_only:
             return

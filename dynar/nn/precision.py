@@ -1,0 +1,92 @@
+"""Mixed precision: the layers that compute on bf16 operands, and whether this CPU can.
+
+In "bf16" a convolution or fully connected layer reads its weight, its input and, in
+backward, its output gradient rounded to bf16 (kernels/bf16: nearest-even, the same on every
+path) and accumulates in float32. Everything else stays float32: parameters and their
+gradients, the optimizer, the gradient allreduce, BatchNorm, the loss. bf16 keeps float32's
+exponent range, so gradients need no loss scaling (docs/DESIGN.md, "Precision").
+
+The rounded operands are float32 arrays holding bf16 values, which the float32 kernels
+multiply exactly as bf16 dot-product instructions do (a product of two bf16 values is exact
+in float32). That is the portable path, correct on any CPU; kernels reading bf16 directly
+are where the speed is to come from (docs/notes/2026-12-05-bf16-numerics.md).
+"""
+import os
+
+from ..kernels.bf16 import cpu_features, round_to_bf16
+
+PRECISIONS = ("fp32", "bf16")
+# Set (to anything but "" or "0") to run bf16 on a CPU without bf16 instructions, where it
+# is slower than fp32: the numerics can be developed and tested on any machine.
+ANY_CPU_VARIABLE = "DYNAR_BF16_ANY_CPU"
+
+
+def resolve(requested):
+    """(the precision to run, a note for the start line or None) for `requested`: bf16
+    where the CPU has bf16 instructions (kernels/bf16.cpu_features) or ANY_CPU_VARIABLE
+    says so, else fp32, with a note saying why."""
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {requested!r}")
+    if requested == "fp32":
+        return "fp32", None
+    features = cpu_features()
+    if features:
+        return "bf16", f"bf16 instructions: {', '.join(features)}"
+    if os.environ.get(ANY_CPU_VARIABLE, "0") not in ("", "0"):
+        return "bf16", f"no bf16 instructions on this CPU; computed anyway ({ANY_CPU_VARIABLE})"
+    return "fp32", ("--precision bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX-BF16 "
+                    "or aarch64 BF16); running fp32")
+
+
+def set_precision(model, precision):
+    """Every convolution and fully connected layer of `model` computes in `precision`."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    for layer in model.modules():
+        if isinstance(layer, Bf16Operands):
+            layer.precision = precision
+    return model
+
+
+class Bf16Operands:
+    """Mixed into a layer whose kernels take (weight, input) forward and (dy, input, weight)
+    backward: hands them the bf16-rounded operands when `precision` is "bf16".
+
+    The rounded weight lives from forward to backward (taken like the layer's output); the
+    rounded input and gradient are scratch, given back once the kernel has run. The input
+    is rounded again in backward rather than kept: it is alive anyway (the layer before
+    keeps it), so that costs a pass over it and no memory."""
+    precision = "fp32"
+    _rounded_weight = _scratch_x = _scratch_dy = None
+
+    def _forward_operands(self, x):
+        """(input, weight) the forward kernel reads, and the scratch to give back after."""
+        if self.precision == "fp32":
+            return x, self.weight.data, ()
+        self._rounded_weight = w = self._keep(self._rounded_weight, self.weight.shape)
+        round_to_bf16(w, self.weight.data)
+        xr = self._scratch("_scratch_x", x.shape)
+        round_to_bf16(xr, x)
+        return xr, w, (xr,)
+
+    def _backward_operands(self, dy, x):
+        """(dy, input, weight) the backward kernel reads, and the scratch to give back."""
+        if self.precision == "fp32":
+            return dy, x, self.weight.data, ()
+        dyr = self._scratch("_scratch_dy", dy.shape)
+        round_to_bf16(dyr, dy)
+        xr = self._scratch("_scratch_x", x.shape)
+        round_to_bf16(xr, x)
+        return dyr, xr, self._rounded_weight, (dyr, xr)
+
+    def _scratch(self, name, shape):
+        if self._arena is not None:
+            return self._arena.take(shape)
+        buffer = self._reuse(getattr(self, name), shape)
+        setattr(self, name, buffer)
+        return buffer
+
+    def _give_back(self, scratch):
+        if self._arena is not None:
+            for array in scratch:
+                self._arena.passed_on(array)
