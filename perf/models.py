@@ -23,17 +23,19 @@ WARMUP = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _dynar_step_fn(name, variant, threads, x, y, timed=None):
-    """One training step of dynar's model. With `timed` (a dict), every leaf layer's forward
-    and backward, the loss and the optimizer add their seconds to timed[kind]."""
+def _dynar_step_fn(name, variant, threads, x, y, timed=None, precision="fp32"):
+    """One training step of dynar's model in `precision` (nn/precision.py: bf16 runs on any
+    CPU here). With `timed` (a dict), every leaf layer's forward and backward, the loss and
+    the optimizer add their seconds to timed[kind]."""
     from dynar import kernels, models, nn, optim
-    from dynar.nn import kernel_tuning
+    from dynar.nn import kernel_tuning, precision as precisions
     kernels.set_num_threads(threads)
     kernels.set_flush_denormals(True)
     kw = {"dropout": 0.0} if name.startswith(("alexnet", "vgg")) else {}
     model = models.get(name, variant=variant, seed=0, **kw)
     # As training chooses (timed, cached; DYNAR_KERNEL_TUNE=0: the thresholds).
     kernel_tuning.apply(model, kernel_tuning.choose(model, len(y), threads))
+    precisions.set_precision(model, precision)
     crit = nn.CrossEntropyLoss()
     opt = optim.SGD(model, lr=0.01, momentum=0.9)
     if timed is not None:
@@ -71,7 +73,9 @@ def _time_calls(obj, timed):
         setattr(obj, method, wrapper)
 
 
-def _torch_step_fn(name, variant, threads, x, y):
+def _torch_step_fn(name, variant, threads, x, y, precision="fp32"):
+    """One training step of the PyTorch twin; in bf16 under torch.autocast, as a PyTorch
+    user trains in mixed precision on a CPU."""
     import torch
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch_reference
@@ -84,12 +88,14 @@ def _torch_step_fn(name, variant, threads, x, y):
 
     def step():
         opt.zero_grad()
-        crit(model(xt), yt).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = crit(model(xt), yt)
+        loss.backward()
         opt.step()
     return step
 
 
-def worker(framework, name, variant, batch, threads, steps):
+def worker(framework, name, variant, batch, threads, steps, precision="fp32"):
     """Run in a fresh process: warm up, time `steps` training steps, report with max RSS."""
     import resource
     import time
@@ -100,7 +106,7 @@ def worker(framework, name, variant, batch, threads, steps):
     x = rng.standard_normal((batch,) + shape, dtype=np.float32)
     y = rng.integers(0, 10, batch).astype(np.int64)
     make = _dynar_step_fn if framework == "dynar" else _torch_step_fn
-    step = make(name, variant, threads, x, y)
+    step = make(name, variant, threads, x, y, precision=precision)
     for _ in range(WARMUP):
         step()
     times = []
@@ -125,7 +131,7 @@ def _peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def breakdown_worker(name, variant, batch, threads, steps):
+def breakdown_worker(name, variant, batch, threads, steps, precision="fp32"):
     """Run in a fresh process: seconds per step by layer kind and pass, after warm-up."""
     import numpy as np
     rng = np.random.default_rng(0)
@@ -134,7 +140,7 @@ def breakdown_worker(name, variant, batch, threads, steps):
     x = rng.standard_normal((batch,) + shape, dtype=np.float32)
     y = rng.integers(0, 10, batch)
     timed = {}
-    step = _dynar_step_fn(name, variant, threads, x, y, timed)
+    step = _dynar_step_fn(name, variant, threads, x, y, timed, precision)
     for _ in range(WARMUP):
         step()
     timed.clear()
@@ -168,9 +174,10 @@ def _steps(name, variant, quick):
     return 2 if variant == "imagenet" and quick else 3 if quick else 6
 
 
-def _measure(framework, name, variant, batch, threads, steps, mode="--worker"):
+def _measure(framework, name, variant, batch, threads, steps, mode="--worker",
+             precision="fp32"):
     cmd = [sys.executable, "-m", "perf.models", mode, framework, name, variant, str(batch),
-           str(threads), str(steps)]
+           str(threads), str(steps), precision]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     if out.returncode != 0:
@@ -224,9 +231,9 @@ def run(quick=False):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8]))
-    elif len(sys.argv) == 8 and sys.argv[1] == "--breakdown":
-        breakdown_worker(sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8]))
+    if len(sys.argv) == 9 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8]), sys.argv[8])
+    elif len(sys.argv) == 9 and sys.argv[1] == "--breakdown":
+        breakdown_worker(sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8]), sys.argv[8])
     else:
         raise SystemExit("usage: python -m perf models (this module's __main__ is the worker)")

@@ -11,7 +11,7 @@ import sys
 import time
 
 SUITES = ["kernels", "models", "allreduce", "dist", "cluster", "scale", "data",
-          "batchnorm"]
+          "batchnorm", "bf16"]
 
 
 def main(argv=None):
