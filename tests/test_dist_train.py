@@ -51,6 +51,16 @@ def test_compressed_dynamic_sync_stays_close_and_identical(single_rank, tmp_path
                                env={"DYNAR_SYNC_PROGRESS": progress}, atol=atol, rtol=1e-2)
 
 
+def test_bf16_replicas_stay_identical_and_close_to_one_fp32_rank(single_rank, tmp_path):
+    # bf16 operands move each step's gradient by bf16's rounding (2^-8 relative), far above
+    # float32 summation order; the rounding is elementwise, so ranks stay bitwise alike.
+    done = _check_against_single_rank(single_rank, tmp_path, "lenet", 2, ["dynamic"],
+                                      env={"TRAIN_PRECISION": "bf16", "DYNAR_BF16_ANY_CPU": "1"},
+                                      atol=2e-3, rtol=1e-2)
+    assert "dynamic: 2 ranks, replicas identical" in done.stdout, done.stdout
+    assert "precision bf16" in done.stdout, done.stdout
+
+
 @pytest.mark.parametrize("ranks, nodes, switch, replica", [
     (4, 1, "on", "{'ranks per node': 4, 'nodes': 1}"),
     (4, 2, "on", "{'ranks per node': 2, 'nodes': 2}"),   # parts allreduced among the nodes

@@ -2,7 +2,8 @@
 and checks that every rank holds identical bytes.
 
 argv: model outdir steps global_batch modes... (a mode may carry a wire format: dynamic:fp16)
-EMULATED_NODES=k splits the ranks into k "nodes" (DYNAR_NODE_KEY) of consecutive ranks."""
+EMULATED_NODES=k splits the ranks into k "nodes" (DYNAR_NODE_KEY) of consecutive ranks;
+TRAIN_PRECISION=bf16 trains in bf16 (with DYNAR_BF16_ANY_CPU on a CPU without it)."""
 import hashlib
 import os
 import sys
@@ -23,7 +24,8 @@ for mode in sys.argv[5:]:
     result = train(TrainConfig(model=model, dataset="synthetic", max_steps=steps,
                                batch_size=batch, lr=0.01, momentum=0.9, weight_decay=5e-4,
                                sync=sync, compress=compress or None, eval_every=0, threads=1,
-                               **extra), job)
+                               precision=os.environ.get("TRAIN_PRECISION", "fp32"), **extra),
+                   job)
     params = result.model.flat_params
     digests = job.comm.allgather(hashlib.sha256(params.tobytes()).hexdigest()) \
         if job.comm is not None else [None]
@@ -31,4 +33,5 @@ for mode in sys.argv[5:]:
         assert all(d == digests[0] for d in digests), f"{mode}: replicas differ: {digests}"
         np.save(os.path.join(outdir, f"{model}-{mode}-{job.world}.npy"), params)
         print(f"{mode}: {job.world} ranks, replicas identical, node replica "
-              f"{result.summary['node_replica']}", flush=True)
+              f"{result.summary['node_replica']}, precision {result.summary['precision']}",
+              flush=True)
