@@ -31,7 +31,8 @@ def resolve(requested):
         return "fp32", None
     features = cpu_features()
     if features:
-        return "bf16", f"bf16 instructions: {', '.join(features)}"
+        return "bf16", (f"bf16 instructions: {', '.join(features)}; dynar has no kernels for "
+                        f"them yet, so bf16 runs its portable path (fp32 speed)")
     if os.environ.get(ANY_CPU_VARIABLE, "0") not in ("", "0"):
         return "bf16", f"no bf16 instructions on this CPU; computed anyway ({ANY_CPU_VARIABLE})"
     return "fp32", ("--precision bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX-BF16 "
