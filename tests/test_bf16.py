@@ -389,6 +389,7 @@ def cli(*args, env=None, timeout=300):
                           env=dict(os.environ, **(env or {})))
 
 
+@pytest.mark.slow      # 4 s on x86; 20 epochs under qemu pass 300 s (docs/ARM.md)
 def test_bf16_trains_lenet_on_the_mnist_sample_to_96_percent(tmp_path):
     log = tmp_path / "log.jsonl"
     out = cli("--precision", "bf16", "--log", str(log), env={precision.ANY_CPU_VARIABLE: "1"})
