@@ -1,8 +1,11 @@
-"""bf16 conversions for mixed-precision training, and the bf16 instructions this CPU has.
+"""bf16 for mixed-precision training: conversions, a GEMM on bf16 operands, and the bf16
+instructions this CPU has.
 
 Every conversion rounds as include/bf16.h says (nearest, ties to even, NaN kept, subnormals
 to zero), elementwise over arrays of any shape, cut into fixed chunks for the threads: the
-result never depends on the thread count.
+result never depends on the thread count. `matmul` rounds its float32 operands the same way
+as it packs them for include/bf16_gemm.h's tile kernels, and sums in float32; each element
+of c is summed by one thread in a fixed order, so it too is independent of the threads.
 """
 from cython.parallel cimport prange
 from libc.stdint cimport uint16_t
@@ -10,6 +13,8 @@ cimport numpy as cnp
 
 from _parallel cimport threads_for
 from _validate cimport check_array, check_disjoint, check_shape, data
+
+import numpy as np
 
 cnp.import_array()
 
@@ -19,6 +24,23 @@ cdef extern from "bf16.h" nogil:
     float dynar_bf16_round(float value)
     int dynar_bf16_features()
     int DYNAR_BF16_AVX512, DYNAR_BF16_AMX, DYNAR_BF16_ARM
+
+cdef extern from "bf16_gemm.h" nogil:
+    int BF16_PANEL, BF16_KERNEL_PORTABLE, BF16_KERNEL_BFMMLA
+    Py_ssize_t bf16_packed_size(Py_ssize_t m, Py_ssize_t k)
+    Py_ssize_t bf16_panels(Py_ssize_t m)
+    void bf16_pack(uint16_t* packed, const float* x, Py_ssize_t m, Py_ssize_t k,
+                   Py_ssize_t row_stride, Py_ssize_t depth_stride, Py_ssize_t p0,
+                   Py_ssize_t p1)
+    int bf16_kernel_runs(int kernel)
+    void bf16_gemm_panel(float* c, Py_ssize_t ldc, const uint16_t* a, const uint16_t* b,
+                         Py_ssize_t m, Py_ssize_t n, Py_ssize_t k, Py_ssize_t p,
+                         Py_ssize_t q0, Py_ssize_t q1, bint add, int kernel)
+
+# The tile kernels of matmul, fastest first.
+GEMM_KERNELS = {"bfmmla": BF16_KERNEL_BFMMLA, "portable": BF16_KERNEL_PORTABLE}
+# Column panels of c one thread's unit of matmul covers with one row panel.
+DEF UNIT_PANELS = 16
 
 # Elements per prange iteration, and the size at or below which one thread does all.
 DEF CHUNK = 16384
@@ -96,3 +118,60 @@ def cpu_features():
     return tuple(name for bit, name in ((DYNAR_BF16_AVX512, "avx512_bf16"),
                                         (DYNAR_BF16_AMX, "amx_bf16"),
                                         (DYNAR_BF16_ARM, "aarch64_bf16")) if bits & bit)
+
+
+def gemm_kernels():
+    """The names of matmul's tile kernels this CPU runs, fastest first ("portable" last,
+    which every CPU runs but no faster than float32 BLAS on rounded operands)."""
+    return tuple(name for name, kernel in GEMM_KERNELS.items() if bf16_kernel_runs(kernel))
+
+
+def matmul(c, a, b, trans_a=False, trans_b=False, accumulate=False, kernel=None):
+    """c (m, n) = op(a) (m, k) @ op(b) (k, n), or c += that with `accumulate`: a and b
+    float32, rounded to bf16 as they are read, the products summed in float32. op(x) is x,
+    or x.T when trans_x. kernel: a name of gemm_kernels(); None takes the first."""
+    cdef cnp.ndarray aa = check_array("a", a, 2, cnp.NPY_FLOAT32)
+    cdef cnp.ndarray ba = check_array("b", b, 2, cnp.NPY_FLOAT32)
+    cdef cnp.ndarray ca = check_array("c", c, 2, cnp.NPY_FLOAT32, output=True)
+    runs = gemm_kernels()
+    if kernel is None:
+        kernel = runs[0]
+    if kernel not in runs:
+        raise ValueError(f"kernel: expected one of {runs} on this CPU, got {kernel!r}")
+    cdef int tile_kernel = GEMM_KERNELS[kernel]
+    a_rows, a_cols = (<object> aa).shape
+    b_rows, b_cols = (<object> ba).shape
+    cdef Py_ssize_t m = a_cols if trans_a else a_rows
+    cdef Py_ssize_t k = a_rows if trans_a else a_cols
+    cdef Py_ssize_t n = b_rows if trans_b else b_cols
+    if (b_cols if trans_b else b_rows) != k:
+        raise ValueError(f"b: op(a) is {(m, k)}, so op(b) needs {k} rows; got shape "
+                         f"{(b_rows, b_cols)} with trans_b={bool(trans_b)}")
+    check_shape("c", ca, (m, n))
+    check_disjoint("c", ca, "a", aa)
+    check_disjoint("c", ca, "b", ba)
+    # a as (m rows, depth k); b as its transpose, (n rows, depth k).
+    cdef Py_ssize_t a_row = 1 if trans_a else k, a_depth = m if trans_a else 1
+    cdef Py_ssize_t b_row = k if trans_b else 1, b_depth = 1 if trans_b else n
+    cdef uint16_t[::1] a_packed = np.empty(bf16_packed_size(m, k), np.uint16)
+    cdef uint16_t[::1] b_packed = np.empty(bf16_packed_size(n, k), np.uint16)
+    cdef uint16_t* ap = &a_packed[0]
+    cdef uint16_t* bp = &b_packed[0]
+    cdef float* cp = <float*> data(ca)
+    cdef const float* xa = <const float*> data(aa)
+    cdef const float* xb = <const float*> data(ba)
+    cdef Py_ssize_t row_panels = bf16_panels(m), col_panels = bf16_panels(n)
+    cdef Py_ssize_t blocks = (col_panels + UNIT_PANELS - 1) // UNIT_PANELS
+    cdef Py_ssize_t p, unit, q0, q1
+    cdef bint add = accumulate
+    with nogil:
+        for p in prange(row_panels, schedule="static", num_threads=threads_for(row_panels)):
+            bf16_pack(ap, xa, m, k, a_row, a_depth, p, p + 1)
+        for p in prange(col_panels, schedule="static", num_threads=threads_for(col_panels)):
+            bf16_pack(bp, xb, n, k, b_row, b_depth, p, p + 1)
+        for unit in prange(row_panels * blocks, schedule="static",
+                           num_threads=threads_for(row_panels * blocks)):
+            q0 = unit % blocks * UNIT_PANELS
+            q1 = q0 + UNIT_PANELS if q0 + UNIT_PANELS < col_panels else col_panels
+            bf16_gemm_panel(cp, n, ap, bp, m, n, k, unit // blocks, q0, q1, add, tile_kernel)
+    return c

@@ -3,7 +3,10 @@ the layers computing on bf16 operands, whole models against PyTorch's autocast, 
 --precision in training runs.
 
 No test here needs bf16 instructions: the layers' bf16 path is the portable one (float32
-kernels on bf16-rounded operands), which DYNAR_BF16_ANY_CPU runs on any CPU."""
+kernels on bf16-rounded operands), which DYNAR_BF16_ANY_CPU runs on any CPU, and the bf16
+GEMM's portable kernel shares its packing with the BFMMLA one. A GEMM kernel this CPU cannot
+run is skipped, naming the instructions it needs (BFMMLA runs under `qemu-aarch64 -cpu max`
+in the ARM check, docs/ARM.md)."""
 import json
 import os
 import platform
@@ -231,7 +234,94 @@ def test_bf16_convolution_computes_on_rounded_operands_in_float32(algorithm, str
     assert _rel(y, unrounded) > 1e-4
 
 
-def test_bf16_linear_computes_on_rounded_operands_in_float32(rng):
+# Which instructions each kernel of kernels/bf16.matmul needs.
+GEMM_KERNEL_NEEDS = {"bfmmla": "aarch64 FEAT_BF16 (BFMMLA)", "portable": None}
+
+
+def runnable_gemm_kernel(name):
+    """`name`, or a skip saying which instructions this CPU lacks for it."""
+    if name not in bf16.gemm_kernels():
+        pytest.skip(f"the {name} bf16 GEMM needs {GEMM_KERNEL_NEEDS[name]}, which this CPU "
+                    f"({platform.machine()}) does not have")
+    return name
+
+
+def test_every_gemm_kernel_is_listed_with_what_it_needs():
+    assert set(GEMM_KERNEL_NEEDS) == set(bf16.GEMM_KERNELS)
+    assert bf16.gemm_kernels()[-1] == "portable"
+    assert ("bfmmla" in bf16.gemm_kernels()) == ("aarch64_bf16" in bf16.cpu_features())
+
+
+MATMUL_SHAPES = [  # (m, k, n, trans_a, trans_b): whole and partial panels and quads
+    (8, 4, 8, False, False), (13, 37, 21, False, False), (64, 300, 37, True, False),
+    (17, 9, 33, False, True), (3, 1, 5, True, True), (40, 1100, 19, False, False),
+    (9, 2048, 130, False, True)]
+
+
+@pytest.mark.parametrize("kernel", list(GEMM_KERNEL_NEEDS))
+@pytest.mark.parametrize("m, k, n, trans_a, trans_b", MATMUL_SHAPES)
+def test_bf16_matmul_matches_float64_on_rounded_operands(kernel, m, k, n, trans_a, trans_b,
+                                                         rng):
+    runnable_gemm_kernel(kernel)
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    a64, b64 = (_rounded(v).astype(np.float64) for v in (a, b))
+    want = (a64.T if trans_a else a64) @ (b64.T if trans_b else b64)
+    # float32 sums of k exact products: within k ulps of the sum of magnitudes.
+    bound = k * np.finfo(np.float32).eps * (np.abs(a64.T if trans_a else a64)
+                                            @ np.abs(b64.T if trans_b else b64))
+    c = np.full((m, n), np.nan, np.float32)
+    bf16.matmul(c, a, b, trans_a, trans_b, kernel=kernel)
+    assert np.all(np.abs(c - want) <= bound)
+    before = c.copy()
+    bf16.matmul(c, a, b, trans_a, trans_b, accumulate=True, kernel=kernel)
+    assert np.all(np.abs(c - (before + want)) <= bound + np.abs(before) * 1e-7)
+    # The unrounded product is further off than that: the kernel did round.
+    exact = ((a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b))
+    assert np.abs(c - before - exact).max() > bound.max()
+
+
+def test_bf16_matmul_kernels_agree_and_ignore_the_thread_count(rng):
+    a = rng.standard_normal((70, 531)).astype(np.float32)
+    b = rng.standard_normal((531, 250)).astype(np.float32)
+    results = {}
+    for kernel in bf16.gemm_kernels():
+        by_threads = []
+        for threads in (1, 2, 3):
+            before = kernels.get_num_threads()
+            kernels.set_num_threads(threads)
+            try:
+                by_threads.append(bf16.matmul(np.empty((70, 250), np.float32), a, b,
+                                              kernel=kernel))
+            finally:
+                kernels.set_num_threads(before)
+        assert all(np.array_equal(r, by_threads[0]) for r in by_threads), kernel
+        results[kernel] = by_threads[0]
+    # The kernels differ in summation order only.
+    for got in results.values():
+        np.testing.assert_allclose(got, results["portable"], rtol=0, atol=2e-4)
+
+
+def test_bf16_matmul_refuses_bad_arguments_naming_them():
+    a, b = np.ones((4, 6), np.float32), np.ones((6, 5), np.float32)
+    with pytest.raises(ValueError, match="b: op.a. is .4, 6., so op.b. needs 6 rows"):
+        bf16.matmul(np.empty((4, 5), np.float32), a, b, trans_b=True)
+    with pytest.raises(ValueError, match="c: expected shape"):
+        bf16.matmul(np.empty((5, 4), np.float32), a, b)
+    with pytest.raises(TypeError, match="a: expected dtype float32"):
+        bf16.matmul(np.empty((4, 5), np.float32), a.astype(np.float64), b)
+    with pytest.raises(ValueError, match="c must not overlap a"):
+        square = np.ones((6, 6), np.float32)
+        bf16.matmul(square, square, square)
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        bf16.matmul(np.empty((4, 5), np.float32), a, b, kernel="amx")
+
+
+@pytest.mark.parametrize("kernel", [None] + list(GEMM_KERNEL_NEEDS))
+def test_bf16_linear_computes_on_rounded_operands_in_float32(kernel, rng, monkeypatch):
+    # None: float32 BLAS on rounded operands; a name: the layer on kernels/bf16.matmul.
+    monkeypatch.setattr(precision, "gemm_kernel",
+                        lambda: kernel and runnable_gemm_kernel(kernel))
     layer = nn.Linear(300, 70, generator=rng)
     x = rng.standard_normal((9, 300)).astype(np.float32)
     y, dx, x64, w64, dy64 = _bf16_step(layer, x, rng)

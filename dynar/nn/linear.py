@@ -1,8 +1,9 @@
 """Linear: y = x @ w^T + b over (N, in) float32."""
 import numpy as np
 
+from ..kernels.bf16 import matmul, round_to_bf16
 from ..kernels.linear import COLS, ROWS, linear_backward, linear_forward
-from . import init
+from . import init, precision
 from .module import Module
 from .parameter import Parameter
 from .precision import Bf16Operands
@@ -62,23 +63,46 @@ class Linear(Bf16Operands, Module):
 
     def forward(self, x):
         self._y = self._keep(self._y, (x.shape[0], self.out_features))
+        self._x = x
+        kernel = self._bf16_kernel()
+        if kernel:
+            # y = x w^T (+ b), rounding x and w as the kernel packs them.
+            self._y[...] = 0 if self.bias is None else self.bias.data
+            return matmul(self._y, x, self.weight.data, trans_b=True, accumulate=True,
+                          kernel=kernel)
         xr, w, scratch = self._forward_operands(x)
         linear_forward(self._y, xr, w, None if self.bias is None else self.bias.data,
                        self._cuts["y"])
         self._give_back(scratch)
-        self._x = x
         return self._y
 
     def backward(self, dy):
         dx = None
         if self.input_requires_grad:
             dx = self._grad_buffer(self._x.shape)
+        kernel = self._bf16_kernel()
+        if kernel:
+            if dx is not None:
+                matmul(dx, dy, self.weight.data, kernel=kernel)           # dy w
+            matmul(self.weight.grad, dy, self._x, trans_a=True, accumulate=True,
+                   kernel=kernel)                                        # += dy^T x
+            if self.bias is not None:   # from the rounded dy, as on the portable path
+                dyr = self._scratch("_scratch_dy", dy.shape)
+                self.bias.grad += round_to_bf16(dyr, dy).sum(axis=0)
+                self._give_back((dyr,))
+            self._grad_ready()
+            return dx
         dyr, xr, w, scratch = self._backward_operands(dy, self._x)
         linear_backward(dx, self.weight.grad, None if self.bias is None else self.bias.grad,
                         dyr, xr, w, self._cuts["dx"], self._cuts["dw"])
         self._give_back(scratch)
         self._grad_ready()
         return dx
+
+    def _bf16_kernel(self):
+        """The bf16 GEMM kernel this layer computes on, or None for its float32 kernels
+        (on operands rounded to bf16 in "bf16" precision)."""
+        return precision.gemm_kernel() if self.precision == "bf16" else None
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

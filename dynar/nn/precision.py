@@ -6,14 +6,16 @@ path) and accumulates in float32. Everything else stays float32: parameters and 
 gradients, the optimizer, the gradient allreduce, BatchNorm, the loss. bf16 keeps float32's
 exponent range, so gradients need no loss scaling (docs/DESIGN.md, "Precision").
 
-The rounded operands are float32 arrays holding bf16 values, which the float32 kernels
-multiply exactly as bf16 dot-product instructions do (a product of two bf16 values is exact
-in float32). That is the portable path, correct on any CPU; kernels reading bf16 directly
-are where the speed is to come from (docs/notes/2026-12-05-bf16-numerics.md).
+Where this CPU runs a bf16 GEMM kernel (kernels/bf16.matmul: BFMMLA on aarch64), fully
+connected layers compute on it, from bf16 operands it packs itself. Elsewhere the rounded
+operands are float32 arrays holding bf16 values, which the float32 kernels multiply exactly
+as bf16 dot-product instructions do (a product of two bf16 values is exact in float32): the
+portable path, correct on any CPU, at float32 speed (docs/notes/2026-12-05-bf16-numerics.md).
 """
+import functools
 import os
 
-from ..kernels.bf16 import cpu_features, round_to_bf16
+from ..kernels.bf16 import cpu_features, gemm_kernels, round_to_bf16
 
 PRECISIONS = ("fp32", "bf16")
 # Set (to anything but "" or "0") to run bf16 on a CPU without bf16 instructions, where it
@@ -31,12 +33,23 @@ def resolve(requested):
         return "fp32", None
     features = cpu_features()
     if features:
-        return "bf16", (f"bf16 instructions: {', '.join(features)}; dynar has no kernels for "
-                        f"them yet, so bf16 runs its portable path (fp32 speed)")
+        kernel = gemm_kernel()
+        where = (f"fully connected layers on {kernel}, convolutions on the portable path "
+                 f"(fp32 speed)" if kernel else
+                 "dynar has no kernels for them yet, so bf16 runs its portable path (fp32 speed)")
+        return "bf16", f"bf16 instructions: {', '.join(features)}; {where}"
     if os.environ.get(ANY_CPU_VARIABLE, "0") not in ("", "0"):
         return "bf16", f"no bf16 instructions on this CPU; computed anyway ({ANY_CPU_VARIABLE})"
     return "fp32", ("--precision bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX-BF16 "
                     "or aarch64 BF16); running fp32")
+
+
+@functools.cache
+def gemm_kernel():
+    """The bf16 GEMM kernel of kernels/bf16.matmul that layers use on this CPU, or None
+    where only the portable one runs (which is slower than the portable path's BLAS)."""
+    native = [name for name in gemm_kernels() if name != "portable"]
+    return native[0] if native else None
 
 
 def set_precision(model, precision):
