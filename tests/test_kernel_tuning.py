@@ -163,6 +163,7 @@ def test_training_logs_the_choices_and_a_resumed_run_keeps_its_checkpoints(cache
     (event,) = [json.loads(line) for line in log.read_text().splitlines()
                 if '"kernels"' in line]
     assert [r["source"] for r in event["layers"]] == ["measured"] * 8
+    assert [r["kind"] for r in event["layers"]] == ["conv"] * 5 + ["linear"] * 3
     chosen = {r["layer"]: r["choice"] for r in event["layers"]}
     assert checkpoint.load(folder / "last.ckpt")["kernels"] == chosen
     # Resumed from a checkpoint that says im2col and a batch cut everywhere: that is what
@@ -178,6 +179,7 @@ def test_training_logs_the_choices_and_a_resumed_run_keeps_its_checkpoints(cache
     assert {layers[name].plan for name in LINEARS} == {forced}
     last = [json.loads(line) for line in log.read_text().splitlines() if '"kernels"' in line]
     assert {r["source"] for r in last[-1]["layers"]} == {"checkpoint"}
+    assert [r["kind"] for r in last[-1]["layers"]] == ["conv"] * 5 + ["linear"] * 3
 
 
 def test_tune_kernels_fills_the_cache_training_then_reads(cache):

@@ -253,8 +253,14 @@ def tuned_layers(model, batch):
          if isinstance(m, Linear)]
 
 
+def kind(layer):
+    """What a record's `choice` is for `layer`: "linear" (a plan of cuts) or "conv" (an
+    algorithm)."""
+    return "linear" if isinstance(layer, Linear) else "conv"
+
+
 def choose(model, batch, threads, tune=None):
-    """[{layer, shape, choice, source, ms}] for each "auto" convolution and each fully
+    """[{layer, kind, shape, choice, source, ms}] for each "auto" convolution and each fully
     connected layer of `model` trained at `batch` images per step and `threads` kernel
     threads: timed here ("measured"), from the cache ("cached"), or by the thresholds
     ("rule", when tuning is off)."""
@@ -266,8 +272,8 @@ def choose(model, batch, threads, tune=None):
     for name, layer, x_shape in tuned_layers(model, batch):
         key = _shape_key(x_shape, layer)
         if not tune:
-            records.append({"layer": name, "shape": key, "choice": rule(x_shape, layer),
-                            "source": "rule"})
+            records.append({"layer": name, "kind": kind(layer), "shape": key,
+                            "choice": rule(x_shape, layer), "source": "rule"})
             continue
         source = "cached" if key in cached else "measured"
         if key not in cached and key not in found:
@@ -281,8 +287,8 @@ def choose(model, batch, threads, tune=None):
                 choice = _fastest(ms, prior)
             found[key] = {"choice": choice, "ms": ms}
         entry = cached.get(key) or found[key]
-        records.append({"layer": name, "shape": key, "choice": entry["choice"],
-                        "source": source, "ms": entry["ms"]})
+        records.append({"layer": name, "kind": kind(layer), "shape": key,
+                        "choice": entry["choice"], "source": source, "ms": entry["ms"]})
     if found:
         _save(path, about, {**_load(path, about), **found})
     return records

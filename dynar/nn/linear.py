@@ -2,7 +2,8 @@
 import numpy as np
 
 from ..kernels.bf16 import matmul, round_to_bf16
-from ..kernels.linear import COLS, ROWS, linear_backward, linear_forward
+from ..kernels.linear import (COLS, DEFAULT_CUT, DEFAULT_DW_CUT, ROWS, linear_backward,
+                              linear_forward)
 from . import init, precision
 from .module import Module
 from .parameter import Parameter
@@ -14,8 +15,18 @@ from .precision import Bf16Operands
 AXES = {"y": {"batch": ROWS, "out": COLS},
         "dx": {"batch": ROWS, "in": COLS},
         "dw": {"out": ROWS, "in": COLS}}
-# The cuts before tuning, and with DYNAR_KERNEL_TUNE=0: along w, 64 rows or columns a block.
-DEFAULT_PLAN = "y=out/64 dx=in/64 dw=out/64"
+
+
+def plan_text(cuts):
+    """The plan parse_plan reads back as `cuts` ({"y": (axis, width), ...})."""
+    def along(product, axis):
+        return next(name for name, a in AXES[product].items() if a == axis)
+    return " ".join(f"{p}={along(p, cuts[p][0])}/{cuts[p][1]}" for p in AXES)
+
+
+# The cuts before tuning, and with DYNAR_KERNEL_TUNE=0: the kernels' own defaults (along w,
+# 64 rows or columns a block: "y=out/64 dx=in/64 dw=out/64").
+DEFAULT_PLAN = plan_text({"y": DEFAULT_CUT, "dx": DEFAULT_CUT, "dw": DEFAULT_DW_CUT})
 
 
 def parse_plan(plan):

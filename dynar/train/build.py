@@ -120,7 +120,9 @@ def choose_kernels(cfg, job, run_data, run_state, threads):
     the records the log gets."""
     model = run_state.model
     if run_state.kernels:
-        records = [{"layer": layer, "choice": choice, "source": "checkpoint"}
+        layers = dict(model.named_modules())
+        records = [{"layer": layer, "kind": kernel_tuning.kind(layers[layer]),
+                    "choice": choice, "source": "checkpoint"}
                    for layer, choice in run_state.kernels.items()]
     else:
         batch = run_data.train.batch_size // job.world // cfg.accumulate

@@ -150,7 +150,7 @@ class Reporter:
         def count(field, among):
             values = [r[field] for r in among]
             return ", ".join(f"{values.count(v)} {v}" for v in sorted(set(values)))
-        convs = [r for r in records if "=" not in r["choice"]]    # plans read "y=out/64 ..."
+        convs = [r for r in records if r["kind"] == "conv"]
         linears = len(records) - len(convs)
         self.message(f"kernels: {len(convs)} convolutions on {count('choice', convs)}"
                      + (f", {linears} fully connected layers' cuts" if linears else "")
