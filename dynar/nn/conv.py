@@ -17,7 +17,7 @@ def _pair(v):
 
 
 class Conv2d(Bf16Operands, Module):
-    _keeps = ("_x", "_y", "_rounded_weight")
+    _keeps = ("_x", "_y")
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  generator=None):

@@ -1,7 +1,7 @@
 """Linear: y = x @ w^T + b over (N, in) float32."""
 import numpy as np
 
-from ..kernels.bf16 import matmul, round_to_bf16
+from ..kernels.bf16 import matmul
 from ..kernels.linear import (COLS, DEFAULT_CUT, DEFAULT_DW_CUT, ROWS, linear_backward,
                               linear_forward)
 from . import init, precision
@@ -47,7 +47,7 @@ def parse_plan(plan):
 
 
 class Linear(Bf16Operands, Module):
-    _keeps = ("_x", "_y", "_rounded_weight")
+    _keeps = ("_x", "_y")
 
     def __init__(self, in_features, out_features, bias=True, generator=None):
         super().__init__()
@@ -98,8 +98,8 @@ class Linear(Bf16Operands, Module):
             matmul(self.weight.grad, dy, self._x, trans_a=True, accumulate=True,
                    kernel=kernel)                                        # += dy^T x
             if self.bias is not None:   # from the rounded dy, as on the portable path
-                dyr = self._scratch("_scratch_dy", dy.shape)
-                self.bias.grad += round_to_bf16(dyr, dy).sum(axis=0)
+                dyr = self._rounded("_scratch_dy", dy)
+                self.bias.grad += dyr.sum(axis=0)
                 self._give_back((dyr,))
             self._grad_ready()
             return dx

@@ -66,32 +66,33 @@ class Bf16Operands:
     """Mixed into a layer whose kernels take (weight, input) forward and (dy, input, weight)
     backward: hands them the bf16-rounded operands when `precision` is "bf16".
 
-    The rounded weight lives from forward to backward (taken like the layer's output); the
-    rounded input and gradient are scratch, given back once the kernel has run. The input
-    is rounded again in backward rather than kept: it is alive anyway (the layer before
-    keeps it), so that costs a pass over it and no memory."""
+    Every rounded operand is scratch, given back once the kernel has run, and rounded again
+    in backward rather than kept: the input is alive anyway (the layer before keeps it), and
+    a rounded weight kept from forward to backward would add a copy of every weight to the
+    step's peak memory, where rounding it again costs one pass over it."""
     precision = "fp32"
-    _rounded_weight = _scratch_x = _scratch_dy = None
+    _scratch_w = _scratch_x = _scratch_dy = None
 
     def _forward_operands(self, x):
         """(input, weight) the forward kernel reads, and the scratch to give back after."""
         if self.precision == "fp32":
             return x, self.weight.data, ()
-        self._rounded_weight = w = self._keep(self._rounded_weight, self.weight.shape)
-        round_to_bf16(w, self.weight.data)
-        xr = self._scratch("_scratch_x", x.shape)
-        round_to_bf16(xr, x)
-        return xr, w, (xr,)
+        w = self._rounded("_scratch_w", self.weight.data)
+        xr = self._rounded("_scratch_x", x)
+        return xr, w, (xr, w)
 
     def _backward_operands(self, dy, x):
         """(dy, input, weight) the backward kernel reads, and the scratch to give back."""
         if self.precision == "fp32":
             return dy, x, self.weight.data, ()
-        dyr = self._scratch("_scratch_dy", dy.shape)
-        round_to_bf16(dyr, dy)
-        xr = self._scratch("_scratch_x", x.shape)
-        round_to_bf16(xr, x)
-        return dyr, xr, self._rounded_weight, (dyr, xr)
+        dyr = self._rounded("_scratch_dy", dy)
+        xr = self._rounded("_scratch_x", x)
+        w = self._rounded("_scratch_w", self.weight.data)
+        return dyr, xr, w, (dyr, xr, w)
+
+    def _rounded(self, name, array):
+        """`array` rounded to bf16, in scratch."""
+        return round_to_bf16(self._scratch(name, array.shape), array)
 
     def _scratch(self, name, shape):
         if self._arena is not None:
