@@ -12,9 +12,8 @@ from libc.stdint cimport uint16_t
 cimport numpy as cnp
 
 from _parallel cimport threads_for
+from _scratch cimport Scratch, scratch_give, scratch_take
 from _validate cimport check_array, check_disjoint, check_shape, data
-
-import numpy as np
 
 cnp.import_array()
 
@@ -39,6 +38,9 @@ cdef extern from "bf16_gemm.h" nogil:
 
 # The tile kernels of matmul, fastest first.
 GEMM_KERNELS = {"bfmmla": BF16_KERNEL_BFMMLA, "portable": BF16_KERNEL_PORTABLE}
+# matmul's packed operands, kept between calls (pyx/_scratch.pxd): a layer's products are the
+# same sizes step after step.
+cdef Scratch _packed
 # Column panels of c one thread's unit of matmul covers with one row panel.
 DEF UNIT_PANELS = 16
 
@@ -133,11 +135,11 @@ def matmul(c, a, b, trans_a=False, trans_b=False, accumulate=False, kernel=None)
     cdef cnp.ndarray aa = check_array("a", a, 2, cnp.NPY_FLOAT32)
     cdef cnp.ndarray ba = check_array("b", b, 2, cnp.NPY_FLOAT32)
     cdef cnp.ndarray ca = check_array("c", c, 2, cnp.NPY_FLOAT32, output=True)
-    runs = gemm_kernels()
     if kernel is None:
-        kernel = runs[0]
-    if kernel not in runs:
-        raise ValueError(f"kernel: expected one of {runs} on this CPU, got {kernel!r}")
+        kernel = gemm_kernels()[0]
+    if kernel not in GEMM_KERNELS or not bf16_kernel_runs(GEMM_KERNELS[kernel]):
+        raise ValueError(f"kernel: expected one of {gemm_kernels()} on this CPU, "
+                         f"got {kernel!r}")
     cdef int tile_kernel = GEMM_KERNELS[kernel]
     a_rows, a_cols = (<object> aa).shape
     b_rows, b_cols = (<object> ba).shape
@@ -153,10 +155,12 @@ def matmul(c, a, b, trans_a=False, trans_b=False, accumulate=False, kernel=None)
     # a as (m rows, depth k); b as its transpose, (n rows, depth k).
     cdef Py_ssize_t a_row = 1 if trans_a else k, a_depth = m if trans_a else 1
     cdef Py_ssize_t b_row = k if trans_b else 1, b_depth = 1 if trans_b else n
-    cdef uint16_t[::1] a_packed = np.empty(bf16_packed_size(m, k), np.uint16)
-    cdef uint16_t[::1] b_packed = np.empty(bf16_packed_size(n, k), np.uint16)
-    cdef uint16_t* ap = &a_packed[0]
-    cdef uint16_t* bp = &b_packed[0]
+    # Both packed operands in the module's workspace, b's from a cache line on.
+    cdef Py_ssize_t a_halves = (bf16_packed_size(m, k) + 31) // 32 * 32
+    cdef bint private
+    cdef uint16_t* ap = <uint16_t*> scratch_take(
+        &_packed, (a_halves + bf16_packed_size(n, k)) * sizeof(uint16_t), &private)
+    cdef uint16_t* bp = ap + a_halves
     cdef float* cp = <float*> data(ca)
     cdef const float* xa = <const float*> data(aa)
     cdef const float* xb = <const float*> data(ba)
@@ -164,14 +168,20 @@ def matmul(c, a, b, trans_a=False, trans_b=False, accumulate=False, kernel=None)
     cdef Py_ssize_t blocks = (col_panels + UNIT_PANELS - 1) // UNIT_PANELS
     cdef Py_ssize_t p, unit, q0, q1
     cdef bint add = accumulate
-    with nogil:
-        for p in prange(row_panels, schedule="static", num_threads=threads_for(row_panels)):
-            bf16_pack(ap, xa, m, k, a_row, a_depth, p, p + 1)
-        for p in prange(col_panels, schedule="static", num_threads=threads_for(col_panels)):
-            bf16_pack(bp, xb, n, k, b_row, b_depth, p, p + 1)
-        for unit in prange(row_panels * blocks, schedule="static",
-                           num_threads=threads_for(row_panels * blocks)):
-            q0 = unit % blocks * UNIT_PANELS
-            q1 = q0 + UNIT_PANELS if q0 + UNIT_PANELS < col_panels else col_panels
-            bf16_gemm_panel(cp, n, ap, bp, m, n, k, unit // blocks, q0, q1, add, tile_kernel)
+    try:
+        with nogil:
+            for p in prange(row_panels, schedule="static",
+                            num_threads=threads_for(row_panels)):
+                bf16_pack(ap, xa, m, k, a_row, a_depth, p, p + 1)
+            for p in prange(col_panels, schedule="static",
+                            num_threads=threads_for(col_panels)):
+                bf16_pack(bp, xb, n, k, b_row, b_depth, p, p + 1)
+            for unit in prange(row_panels * blocks, schedule="static",
+                               num_threads=threads_for(row_panels * blocks)):
+                q0 = unit % blocks * UNIT_PANELS
+                q1 = q0 + UNIT_PANELS if q0 + UNIT_PANELS < col_panels else col_panels
+                bf16_gemm_panel(cp, n, ap, bp, m, n, k, unit // blocks, q0, q1, add,
+                                tile_kernel)
+    finally:
+        scratch_give(&_packed, ap, private)
     return c

@@ -302,6 +302,22 @@ def test_bf16_matmul_kernels_agree_and_ignore_the_thread_count(rng):
         np.testing.assert_allclose(got, results["portable"], rtol=0, atol=2e-4)
 
 
+def test_bf16_matmul_packs_into_a_workspace_kept_between_calls(rng):
+    import tracemalloc
+    a = rng.standard_normal((64, 700)).astype(np.float32)
+    b = rng.standard_normal((700, 300)).astype(np.float32)
+    c = np.empty((64, 300), np.float32)
+    bf16.matmul(c, a, b)
+    tracemalloc.start()
+    try:
+        # The same sizes again: nothing new (fresh packed operands would be 2 x 135 KB).
+        start = tracemalloc.get_traced_memory()[0]
+        bf16.matmul(c, a, b)
+        assert tracemalloc.get_traced_memory()[1] - start < 4096
+    finally:
+        tracemalloc.stop()
+
+
 def test_bf16_matmul_refuses_bad_arguments_naming_them():
     a, b = np.ones((4, 6), np.float32), np.ones((6, 5), np.float32)
     with pytest.raises(ValueError, match="b: op.a. is .4, 6., so op.b. needs 6 rows"):
