@@ -3,10 +3,9 @@
  *
  *     c (m, n) = a (m, k) @ b (k, n)  [+ bias[i] on every column of row i], row-major,
  *
- * with `a` packed once into row panels (panel_pack, or written in panel form by its producer)
- * and `b` read in place, unpacked, where a BLAS GEMM packs both operands on every call: the
- * weights are packed once per batch instead of once per image, and `b` (im2col's output, a
- * tile sized to stay in cache) is read straight from where it was written.
+ * with `a` packed once into row panels (panel_pack, or written in panel form by its producer),
+ * where a BLAS GEMM packs both operands on every call: the weights are packed once per batch
+ * instead of once per image.
  *
  * Panels: PANEL_ROWS rows of `a` at a time, stored column by column, so the micro-kernel reads
  * one contiguous run per column: a[p * PANEL_ROWS + r][j] is
@@ -14,13 +13,19 @@
  * stored, but garbage there could be subnormal, which x86 multiply-adds take microcode assists
  * for). The micro-kernel keeps a PANEL_ROWS x PANEL_VECTORS block of c in vector registers,
  * and for every j multiplies one broadcast element of the panel with PANEL_VECTORS vectors of
- * row j of b. With AVX-512 (32 registers of 16 floats) that is 8 x 3 vectors: 24
- * accumulators, 3 loads of b and 8 broadcasts per 24 multiply-adds. The depth goes in passes:
- * a panel's part of a pass fills at most `block_bytes`, half the core's L1 data cache (the
- * caller reads its size from the OS: conv.panel_block_bytes), so it stays in L1 while the
- * pass sweeps the same rows of b, which stay in L2 for the next panel. The register block,
- * and a pass of 8 x 768 floats (24 KB) on a 48 KB L1d, were measured by hand against
- * OpenBLAS: docs/notes/2026-12-02-kernels.md, "The panel GEMM". */
+ * row j of b, loaded once. The block fills the register file but for the vectors of b and the
+ * broadcast: with AVX-512 (32 registers of 16 floats) 8 x 3 vectors, 24 accumulators; with
+ * AVX2 (16 registers) 6 x 2, 12 accumulators, 2 loads of b and 6 broadcasts per 12
+ * multiply-adds (a 4 x 3 block there leaves no register for b, and the compiler reloads each
+ * vector of b for every row: 16 loads per 12 multiply-adds, load-bound at 0.75x).
+ *
+ * The depth goes in passes: a panel's part of a pass fills at most `block_bytes`, half the
+ * core's L1 data cache (the caller reads its size from the OS: conv.panel_block_bytes). Within
+ * a pass, b is copied a strip of PANEL_VECTORS vectors wide at a time into a contiguous buffer
+ * on the stack, which every panel then sweeps: rows of b read in place lie a row stride apart,
+ * a cache line or two each, and reading them again for every panel costs 10-25% against
+ * reading the strip (docs/notes/2026-12-05-avx2-panel-gemm.md). Columns
+ * past the last whole strip are read in place. */
 #ifndef DYNAR_PANEL_GEMM_H
 #define DYNAR_PANEL_GEMM_H
 #include <stddef.h>
@@ -37,12 +42,15 @@
 #endif
 #if defined(__AVX512F__) || defined(__aarch64__)
 #define PANEL_ROWS 8
-#else
-#define PANEL_ROWS 4
-#endif
 #define PANEL_VECTORS 3    /* panel_narrow_block dispatches 1 to 3 */
+#else
+#define PANEL_ROWS 6
+#define PANEL_VECTORS 2
+#endif
 /* The shortest pass over c, whatever the cache: shorter ones spend more on storing c. */
 #define PANEL_MIN_DEPTH 64
+/* The stack buffer a pass's strip of b is copied to; it bounds the depth of a pass too. */
+#define PANEL_STRIP_BYTES (64 * 1024)
 
 /* Whether im2col and Winograd use these kernels by default (conv.set_panel_gemm overrides):
  * only where the build targets AVX-512, where they were measured faster than OpenBLAS, which
@@ -177,35 +185,6 @@ PANEL_INLINE void panel_narrow_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,  
                              tail);                                                          \
 }                                                                                            \
                                                                                              \
-/* Blocks of one panel over columns [0, n): whole blocks, then the vectors left (the last    \
- * partial) in one block, or in two of about half when one block would be too wide: a block  \
- * of one vector has too few independent sums to keep the multiply-adds busy, so 4 vectors    \
- * go as 2 + 2, not 3 + 1. */                                                                \
-PANEL_INLINE void panel_row_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                        \
-                                     const REAL *restrict panel, ptrdiff_t kd,               \
-                                     const REAL *restrict b, ptrdiff_t ldb, ptrdiff_t n,     \
-                                     const REAL *restrict bias, int first, int rows)         \
-{                                                                                            \
-    enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL), WIDTH = PANEL_VECTORS * LANES };       \
-    ptrdiff_t j0 = 0;                                                                        \
-    for (; n - j0 >= WIDTH + 2 * LANES; j0 += WIDTH)                                         \
-        panel_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,         \
-                             PANEL_VECTORS, LANES);                                          \
-    if (j0 == n)                                                                             \
-        return;                                                                              \
-    int vectors = (int) ((n - j0 + LANES - 1) / LANES);                                      \
-    const int tail = (int) (n - j0 - (vectors - 1) * LANES);                                 \
-    if (vectors > PANEL_VECTORS) {                                                           \
-        const int first_half = (vectors + 1) / 2;                                            \
-        panel_narrow_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,  \
-                                    first_half, LANES);                                      \
-        j0 += first_half * LANES;                                                            \
-        vectors -= first_half;                                                               \
-    }                                                                                        \
-    panel_narrow_block_##SUFFIX(c + j0, ldc, panel, kd, b + j0, ldb, bias, first, rows,      \
-                                vectors, tail);                                              \
-}                                                                                            \
-                                                                                             \
 /* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], row-major; a packed by      \
  * panel_pack; a panel's part of one pass over c fills at most block_bytes. k == 0 leaves    \
  * c = bias (or zero). */                                                                    \
@@ -220,23 +199,49 @@ static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *res
                 c[i * ldc + j] = bias ? bias[i] : (REAL)0;                                   \
         return;                                                                              \
     }                                                                                        \
+    enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL), WIDTH = PANEL_VECTORS * LANES };      \
+    typedef panel_mem_##SUFFIX mem;                                                          \
     ptrdiff_t max_depth = block_bytes / (ptrdiff_t) (PANEL_ROWS * sizeof(REAL));             \
+    if (max_depth > PANEL_STRIP_BYTES / (ptrdiff_t) (WIDTH * sizeof(REAL)))                  \
+        max_depth = PANEL_STRIP_BYTES / (ptrdiff_t) (WIDTH * sizeof(REAL));                  \
     if (max_depth < PANEL_MIN_DEPTH)                                                         \
         max_depth = PANEL_MIN_DEPTH;                                                         \
     const ptrdiff_t passes = (k + max_depth - 1) / max_depth;                                \
     const ptrdiff_t depth = (k + passes - 1) / passes;                                       \
+    REAL strip[depth * WIDTH] __attribute__((aligned(PANEL_VECTOR_BYTES)));                  \
+    const ptrdiff_t tail_columns = n % WIDTH;                                                \
+    const int tail_vectors = (int) ((tail_columns + LANES - 1) / LANES);                     \
+    const int tail_lanes = (int) (tail_columns - (tail_vectors - 1) * LANES);                \
     for (ptrdiff_t k0 = 0; k0 < k; k0 += depth) {                                            \
         const ptrdiff_t kd = k - k0 < depth ? k - k0 : depth;                                \
-        for (ptrdiff_t p = 0; p < panel_count(m); p++) {                                     \
-            const ptrdiff_t i0 = p * PANEL_ROWS;                                             \
-            const REAL *panel = panels + (p * k + k0) * PANEL_ROWS;                          \
-            const REAL *pbias = bias ? bias + i0 : NULL;                                     \
-            if (m - i0 >= PANEL_ROWS)                                                        \
-                panel_row_##SUFFIX(c + i0 * ldc, ldc, panel, kd, b + k0 * ldb, ldb, n,       \
-                                   pbias, k0 == 0, PANEL_ROWS);                              \
-            else                                                                             \
-                panel_row_##SUFFIX(c + i0 * ldc, ldc, panel, kd, b + k0 * ldb, ldb, n,       \
-                                   pbias, k0 == 0, (int) (m - i0));                          \
+        for (ptrdiff_t j0 = 0; j0 < n; j0 += WIDTH) {                                        \
+            const int whole = n - j0 >= WIDTH;                                               \
+            const REAL *bs = b + k0 * ldb + j0;                                              \
+            ptrdiff_t lds = ldb;                                                             \
+            if (whole) {                                                                     \
+                for (ptrdiff_t j = 0; j < kd; j++)                                           \
+                    for (int v = 0; v < PANEL_VECTORS; v++)                                  \
+                        *(mem *)(strip + j * WIDTH + v * LANES) =                            \
+                            *(const mem *)(bs + j * ldb + v * LANES);                        \
+                bs = strip;                                                                  \
+                lds = WIDTH;                                                                 \
+            }                                                                                \
+            for (ptrdiff_t p = 0; p < panel_count(m); p++) {                                 \
+                const ptrdiff_t i0 = p * PANEL_ROWS;                                         \
+                const int rows = m - i0 < PANEL_ROWS ? (int) (m - i0) : PANEL_ROWS;          \
+                const REAL *panel = panels + (p * k + k0) * PANEL_ROWS;                      \
+                REAL *cb = c + i0 * ldc + j0;                                                \
+                const REAL *pbias = bias ? bias + i0 : NULL;                                 \
+                if (whole && rows == PANEL_ROWS)                                             \
+                    panel_block_##SUFFIX(cb, ldc, panel, kd, bs, lds, pbias, k0 == 0,        \
+                                         PANEL_ROWS, PANEL_VECTORS, LANES);                  \
+                else if (whole)                                                              \
+                    panel_block_##SUFFIX(cb, ldc, panel, kd, bs, lds, pbias, k0 == 0,        \
+                                         rows, PANEL_VECTORS, LANES);                        \
+                else                                                                         \
+                    panel_narrow_block_##SUFFIX(cb, ldc, panel, kd, bs, lds, pbias, k0 == 0, \
+                                                rows, tail_vectors, tail_lanes);             \
+            }                                                                                \
         }                                                                                    \
     }                                                                                        \
 }

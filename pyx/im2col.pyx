@@ -10,8 +10,8 @@ G > 1 only where one image gives a skinny GEMM (late layers at 8x8 and below): B
 GEMMs much faster, and the gather/scatter copies cost little next to K-deep products.
 
 The products with w (forward, input grad) run on dynar's panel GEMM (include/panel_gemm.h)
-unless conv.set_panel_gemm says BLAS: w, or w^T, is packed once per call and every image's
-col is read where im2col wrote it, where a BLAS GEMM per image would pack both again. The
+unless conv.set_panel_gemm says BLAS: w, or w^T, is packed once per call and each image's col
+only a strip at a time into L1, where a BLAS GEMM per image would pack both whole again. The
 weight gradient stays on BLAS, whose operands are both new every image; asked for dw^T, BLAS
 packs col as it lies instead of transposing it (docs/notes/2026-12-02-kernels.md).
 
