@@ -53,10 +53,11 @@
 #define PANEL_STRIP_BYTES (64 * 1024)
 
 /* Whether im2col and Winograd use these kernels by default (conv.set_panel_gemm overrides):
- * only where the build targets AVX-512, where they were measured faster than OpenBLAS, which
- * picks its AVX-512 kernels at run time whatever the build (docs/notes/2026-12-02-kernels.md,
- * "The panel GEMM"). */
-#if defined(__AVX512F__)
+ * where the build targets AVX2 or AVX-512, where they were measured faster than OpenBLAS on
+ * every layer they run (AVX-512: docs/notes/2026-12-02-kernels.md, "The panel GEMM"; AVX2:
+ * docs/notes/2026-12-05-avx2-panel-gemm.md). Not yet measured on aarch64, and a portable
+ * build's 16-byte vectors would lose. */
+#if defined(__AVX2__)
 #define PANEL_GEMM_PREFERRED 1
 #else
 #define PANEL_GEMM_PREFERRED 0

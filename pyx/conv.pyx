@@ -95,7 +95,7 @@ def release_workspace():
 def set_panel_gemm(bint enabled):
     """Whether the products with the weights (im2col's and Winograd's) run on dynar's panel
     GEMM (True) or on BLAS; returns the previous setting. The default is the panel GEMM where
-    the build targets AVX-512, the width it was measured at."""
+    the build targets AVX2 or AVX-512, where it was measured faster."""
     global _panel_gemm
     previous = _panel_gemm
     _panel_gemm = enabled
