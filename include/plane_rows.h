@@ -10,7 +10,7 @@
  * 16- or 15-wide row spends most of its time in the scalar remainder and the tests choosing
  * it, and a loop of fixed length 16 it unrolls into single-element inserts. So stride-2 rows
  * go in whole vectors written with GCC/Clang vector extensions, in chunks of 16, 8 or 4
- * floats (8, 4, 2 doubles). A vector of W even elements is two loads, the second starting at
+ * floats with AVX-512, 8, 4 or 2 otherwise (8, 4, 2 doubles). A vector of W even elements is two loads, the second starting at
  * element W - 1 so nothing past the last element read is touched, and one shuffle. (The
  * measurements: docs/notes/2026-12-02-kernels.md, "Row loops".) */
 #ifndef DYNAR_PLANE_ROWS_H
@@ -84,6 +84,7 @@ static inline void scatter2_add_##W##SUFFIX(REAL *restrict dst, const REAL *rest
 DYNAR_STRIDE2_VECTORS(float, f, 16)
 DYNAR_STRIDE2_VECTORS(float, f, 8)
 DYNAR_STRIDE2_VECTORS(float, f, 4)
+DYNAR_STRIDE2_VECTORS(float, f, 2)
 DYNAR_STRIDE2_VECTORS(double, d, 8)
 DYNAR_STRIDE2_VECTORS(double, d, 4)
 DYNAR_STRIDE2_VECTORS(double, d, 2)
@@ -200,7 +201,21 @@ DYNAR_NO_LIBC_LOOPS static void rows_fold_add_##SUFFIX(REAL *restrict dst,      
                                     dst[o * STEP] += src[lo + o];);                         \
 }
 
+/* Float chunks no wider than a vector register: for AVX2, GCC builds a 16-float shuffle out
+ * of scalar loads through the stack, which stall on store forwarding (stride-2 layers ran
+ * 15% slower: docs/notes/2026-12-05-avx2-panel-gemm.md). Tests set the width to check both. */
+#ifndef DYNAR_ROW_CHUNK_FLOATS
+#if defined(__AVX512F__)
+#define DYNAR_ROW_CHUNK_FLOATS 16
+#else
+#define DYNAR_ROW_CHUNK_FLOATS 8
+#endif
+#endif
+#if DYNAR_ROW_CHUNK_FLOATS == 16
 DYNAR_PLANE_ROWS(float, f, 16, 8, 4)
+#else
+DYNAR_PLANE_ROWS(float, f, 8, 4, 2)
+#endif
 DYNAR_PLANE_ROWS(double, d, 8, 4, 2)
 #undef DYNAR_PLANE_ROWS
 

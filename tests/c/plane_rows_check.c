@@ -1,7 +1,8 @@
 /* Checks include/plane_rows.h's row loops against plain reference loops, for float and
- * double, every step 1..3 and row lengths around each vector chunk width. Built twice by
- * tests/test_plane_rows.py: with the stride-2 vector shuffles and without them
- * (-DDYNAR_VECTOR_SHUFFLES=0, the path of compilers that lack them), both under
+ * double, every step 1..3 and row lengths around each vector chunk width. Built four times
+ * by tests/test_plane_rows.py: with the stride-2 vector shuffles and without them
+ * (-DDYNAR_VECTOR_SHUFFLES=0, the path of compilers that lack them), each with float chunks
+ * of up to 16 and of up to 8 elements (-DDYNAR_ROW_CHUNK_FLOATS), all under
  * AddressSanitizer: every source row is its own allocation of exactly the elements a row
  * of that length and step covers, so a vector load past a row's last element is reported.
  * Prints the cases it ran and exits 1 on the first difference. */
