@@ -10,9 +10,10 @@
  * 16- or 15-wide row spends most of its time in the scalar remainder and the tests choosing
  * it, and a loop of fixed length 16 it unrolls into single-element inserts. So stride-2 rows
  * go in whole vectors written with GCC/Clang vector extensions, in chunks of 16, 8 or 4
- * floats with AVX-512, 8, 4 or 2 otherwise (8, 4, 2 doubles). A vector of W even elements is two loads, the second starting at
- * element W - 1 so nothing past the last element read is touched, and one shuffle. (The
- * measurements: docs/notes/2026-12-02-kernels.md, "Row loops".) */
+ * floats with AVX-512, of 8, 4 or 2 otherwise (8, 4, 2 doubles). A vector of W even
+ * elements is two loads, the second starting at element W - 1 so nothing past the last
+ * element read is touched, and one shuffle. (The measurements:
+ * docs/notes/2026-12-02-kernels.md, "Row loops".) */
 #ifndef DYNAR_PLANE_ROWS_H
 #define DYNAR_PLANE_ROWS_H
 #include <stddef.h>
