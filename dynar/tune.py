@@ -22,6 +22,7 @@ import sys
 from .dist import node_replica, tuning
 from .dist.collective import Collective
 from .dist.job import Job, wait_politely
+from .nn.precision import PRECISIONS
 
 
 def _sizes(text):
@@ -51,6 +52,8 @@ def build_parser():
                          help="images per rank and step, as the job will train (default 32)")
     kernels.add_argument("--threads", type=int,
                          help="kernel threads per rank (default: this process's share)")
+    kernels.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                         help="the --precision the job will train in (default fp32)")
     p.add_argument("--dir", help="where to write the tuning file (default $DYNAR_TUNE_DIR "
                                  "or ~/.cache/dynar/tune)")
     return p
@@ -60,7 +63,7 @@ def tune_kernels(args):
     """--kernels: every layer shape of the model timed, the cache filled; returns the
     exit status."""
     from . import kernels, models
-    from .nn import kernel_tuning
+    from .nn import kernel_tuning, precision
     if not args.model or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
         print("error: --kernels needs --model, a --batch-size >= 1 and --threads >= 1",
               file=sys.stderr)
@@ -72,6 +75,10 @@ def tune_kernels(args):
         print(f"error: --model {args.model}: {exc}", file=sys.stderr)
         return 2
     threads = args.threads or Job.start().default_threads()[0]
+    ran, note = precision.resolve(args.precision)
+    if note:
+        print(note)
+    precision.set_precision(model, ran)
     with kernels.settings_kept():
         kernels.set_num_threads(threads)
         kernels.set_flush_denormals(True)

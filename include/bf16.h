@@ -77,9 +77,10 @@ static inline int dynar_bf16_features(void)
     unsigned int b7, c7, d7, a71, b71, c71, d71;
     __cpuid_count(7, 0, a, b7, c7, d7);
     __cpuid_count(7, 1, a71, b71, c71, d71);
-    /* AVX-512 needs the OS to save the opmask and all 32 zmm registers (XCR0 bits 5-7). */
+    /* AVX-512 needs the OS to save the opmask and all 32 zmm registers (XCR0 bits 5-7); the
+     * kernels use AVX512F and AVX512BW (EBX bits 16, 30) besides AVX512_BF16. */
     int avx512_state = (xcr0 & 0xe6u) == 0xe6u;
-    if (avx512_state && (b7 & (1u << 16)) && (a71 & (1u << 5)))
+    if (avx512_state && (b7 & (1u << 16)) && (b7 & (1u << 30)) && (a71 & (1u << 5)))
         features |= DYNAR_BF16_AVX512;
     /* AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24), tile state enabled in XCR0 (17, 18). */
     if ((d7 & (1u << 22)) && (d7 & (1u << 24)) && (xcr0 & (3u << 17)) == (3u << 17)

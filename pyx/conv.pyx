@@ -19,7 +19,7 @@ cimport numpy as cnp
 from _conv_call cimport (ConvAlgorithm, ConvCall, ConvGeometry, PlanSpace, backward_call,
                          capsule_algorithm, conv_geometry, forward_call,
                          output_shape as geometry_output_shape)
-from _panels cimport PANEL_GEMM_PREFERRED
+from _panels cimport PANEL_GEMM_PREFERRED, bf16_panel_gemm_runs
 from _scratch cimport Scratch, _tracked_free, scratch_give, scratch_take
 from _validate cimport F32, check_pair
 
@@ -27,6 +27,7 @@ cnp.import_array()
 
 cdef Scratch _workspace
 cdef bint _panel_gemm = PANEL_GEMM_PREFERRED
+cdef bint _bf16_panels = bf16_panel_gemm_runs()
 
 
 def _sysfs_cache(index, name):
@@ -92,6 +93,13 @@ def release_workspace():
     _workspace.ptr, _workspace.size = NULL, 0
 
 
+def bf16_kernels():
+    """Whether bf16 calls (forward's and backward's bf16=True) run on bf16 instructions
+    here: AVX512_BF16, with the panel GEMM on (set_panel_gemm). Elsewhere they compute in
+    float32."""
+    return bool(_bf16_panels and _panel_gemm)
+
+
 def set_panel_gemm(bint enabled):
     """Whether the products with the weights (im2col's and Winograd's) run on dynar's panel
     GEMM (True) or on BLAS; returns the previous setting. The default is the panel GEMM where
@@ -138,22 +146,26 @@ cdef class Algorithm:
         """The layers it computes (what supports checks), in words."""
         return self._impl.needs.decode()
 
-    def forward(self, y, x, w, b=None, stride=1, padding=0):
+    def forward(self, y, x, w, b=None, stride=1, padding=0, bf16=False):
         """y (N, C_out, H_out, W_out) = conv2d(x (N, C_in, H, W), w (C_out, C_in, kh, kw))
         + b (C_out,).
 
-        y is overwritten. b may be None. stride, padding: int or (h, w)."""
+        y is overwritten. b may be None. stride, padding: int or (h, w). bf16: every product
+        reads its operands rounded to bf16 and sums in float32, where the CPU runs the bf16
+        kernels (bf16_kernels()) and the algorithm has them (im2col, Winograd, which rounds
+        its transformed tiles, and tapgemm); otherwise the call is float32, and nn.Conv2d
+        rounds the operands first."""
         cdef ConvCall c = forward_call(y, x, w, b, stride, padding)
-        self._run(&c)
+        self._run(&c, bf16)
 
-    def backward(self, dx, dw, db, dy, x, w, stride=1, padding=0):
+    def backward(self, dx, dw, db, dy, x, w, stride=1, padding=0, bf16=False):
         """Gradients of forward given dy (N, C_out, H_out, W_out).
 
         dx (N, C_in, H, W) is overwritten (None skips the input gradient, as for a first
         layer); dw (C_out, C_in, kh, kw) and db (C_out,) are accumulated into (+=); db may be
-        None."""
+        None. bf16: as forward's."""
         cdef ConvCall c = backward_call(dx, dw, db, dy, x, w, stride, padding)
-        self._run(&c)
+        self._run(&c, bf16)
 
     def supports(self, w_shape, stride=1, padding=0):
         """Whether it computes a layer of weights w_shape (C_out, C_in, kh, kw) at this stride
@@ -167,11 +179,12 @@ cdef class Algorithm:
         g.ph, g.pw = check_pair("padding", padding, 0)
         return self._impl.supports == NULL or self._impl.supports(&g)
 
-    cdef _run(self, ConvCall* c):
+    cdef _run(self, ConvCall* c, bint bf16):
         if self._impl.supports != NULL and not self._impl.supports(&c.g):
             raise ValueError(f"{self.name}: needs {self.needs}, got a {c.g.kh}x{c.g.kw} "
                              f"kernel at stride {(c.g.sh, c.g.sw)}")
         c.panel_block = _panel_block if _panel_gemm else 0
+        c.bf16 = bf16 and bf16_kernels() and c.kind == F32
         cdef PlanSpace plan
         cdef bint private
         cdef size_t work_bytes = self._impl.plan(c, &plan)

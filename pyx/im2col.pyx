@@ -25,13 +25,14 @@ padding.
 """
 from cython cimport floating
 from cython.parallel cimport prange, parallel, threadid
+from libc.stdint cimport uint16_t
 from libc.string cimport memcpy, memset
 cimport numpy as cnp
 
 from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
-from _panels cimport (Weights, pack_panel, panel_size, panels_to_pack, times_weights,
-                      weights_operand)
+from _panels cimport (Weights, bf16_gemm_nt, bf16_panel_size, pack_panel, panel_size,
+                      panels_to_pack, times_weights, weights_operand)
 from _parallel cimport threads_for
 from _tap_range cimport tap_end_valid, tap_first_valid
 from _validate cimport F32, check_blas_dim
@@ -66,9 +67,12 @@ cdef struct Im2colPlan:
     Py_ssize_t R           # output rows per GEMM when G == 1 (a tile of col that stays in cache)
     bint pointwise         # 1x1, stride 1, no padding: col is the image itself, no unfolding
     Py_ssize_t panels      # the products with w on the panel GEMM (ConvCall.panel_block), 0: BLAS
+    bint bf16              # ... on its bf16 panels (ConvCall.bf16)
     int threads
     Py_ssize_t tile        # a thread's col tile: K * G * R * Wo
-    Py_ssize_t per_thread  # the tile, then (grouped images) the group's output or its gradient
+    Py_ssize_t per_thread  # the tile, then (grouped images) the group's output or its gradient,
+                           # then (bf16 backward) the weight gradient's packed col
+    Py_ssize_t packed_col  # where in a thread's slot the last starts
 
 
 # ---- im2col and col2im ----
@@ -238,9 +242,13 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     check_blas_dim("im2col: C_out", g.Co)
     check_blas_dim("im2col: images*H_out*W_out per GEMM", s.G * s.P)
     s.panels = c.panel_block
+    s.bf16 = c.bf16
     s.threads = threads_for((g.N + s.G - 1) // s.G)
     s.tile = s.K * s.G * s.R * g.Wo
-    s.per_thread = s.tile + (g.Co * s.G * s.P if s.G > 1 else 0)
+    s.packed_col = s.tile + (g.Co * s.G * s.P if s.G > 1 else 0)
+    s.per_thread = s.packed_col
+    if c.backward and s.bf16:
+        s.per_thread += (bf16_panel_size(s.K, s.G * s.R * g.Wo) + 1) // 2
     cdef Py_ssize_t elements = s.threads * s.per_thread + _panel_elements(s)
     if c.backward:
         elements += s.threads * _partials_slot(s)
@@ -260,7 +268,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef floating* out
     cdef const floating* colp
     cdef Weights a = weights_operand(g.Co, s.K, False, (work + s.threads * s.per_thread)
-                                     if s.panels else NULL, s.panels)
+                                     if s.panels else NULL, s.panels, s.bf16)
     # Parallel over image groups: every group is an independent GEMM writing its own
     # images, so threads never wait on each other.
     with parallel(num_threads=s.threads):
@@ -297,8 +305,13 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
 
 cdef inline void _weight_gradient(floating* dwt, const floating* col, Py_ssize_t ld_col,
                                   const floating* dy, Py_ssize_t ld_dy, Py_ssize_t cols,
-                                  const Im2colPlan* s) noexcept nogil:
-    """dw^T (K, C_out) += col (K, cols) @ dy^T (cols, C_out)."""
+                                  const Im2colPlan* s, floating* packed) noexcept nogil:
+    """dw^T (K, C_out) += col (K, cols) @ dy^T (cols, C_out); in bf16, col packed into
+    `packed` as it is rounded."""
+    if floating is float and s.bf16:
+        bf16_gemm_nt(dwt, s.g.Co, col, ld_col, s.K, dy, ld_dy, s.g.Co, cols,
+                     <uint16_t*> packed, s.panels, True)
+        return
     gemm(False, True, <int> s.K, <int> s.g.Co, <int> cols, <floating> 1, col, <int> ld_col,
          dy, <int> ld_dy, <floating> 1, dwt, <int> s.g.Co)
 
@@ -368,7 +381,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef const floating* colp
     cdef const floating* dyp
     cdef Weights a = weights_operand(g.Co, s.K, True, (partials + s.threads * slot)
-                                     if s.panels else NULL, s.panels)
+                                     if s.panels else NULL, s.panels, s.bf16)
     memset(partials, 0, s.threads * slot * sizeof(floating))
     # Parallel over image groups, as forward; input gradients go to the group's own images.
     with parallel(num_threads=s.threads):
@@ -397,7 +410,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 # private to each thread.)
                 ld_col = _operand_stride(s, gn, cols)
                 colp = _unfold(col, x, s, n0, gn, oh0, oh1)
-                _weight_gradient(dwt, colp, ld_col, dyp, ld_dy, cols, s)
+                _weight_gradient(dwt, colp, ld_col, dyp, ld_dy, cols, s, col + s.packed_col)
                 if db != NULL:
                     _bias_gradient(dwt + g.Co * s.K, dyp, ld_dy, cols, g.Co)
                 if dx != NULL:

@@ -30,11 +30,14 @@ padding.
 """
 from cython cimport floating
 from cython.parallel cimport prange, parallel
+from libc.stdint cimport uint16_t
 from libc.string cimport memset
 cimport numpy as cnp
 
 from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
+from _panels cimport (bf16_gemm_nt, bf16_panel_count, bf16_panel_gemm, bf16_panel_offset,
+                      bf16_panel_pack, bf16_panel_size)
 from _parallel cimport threads_for
 from _tap_range cimport tap_end_valid, tap_first_valid
 from _validate cimport F32, check_blas_dim
@@ -59,9 +62,14 @@ cdef struct TapPlan:
     Py_ssize_t runs     # how many runs the taps have in all
     # The workspace: the runs, then from a cache line on x~, then y~ (or dy~), then w_t
     # (forward, and backward with an input gradient), dx~ (backward with one) and dw_t
-    # (backward), at these offsets in elements from x~.
+    # (backward), at these offsets in elements from x~. In bf16 (ConvCall.bf16) the GEMMs
+    # run on include/panel_gemm_bf16.h: w_t's room holds each tap's bf16 panels of w (or of
+    # w^T for the input gradient), tap_panels halves apart, and after dw_t each thread has
+    # nt_size elements for the weight gradient's packed dy~.
     size_t runs_bytes
     Py_ssize_t at_wt, at_dxt, at_dwt
+    bint bf16
+    Py_ssize_t panel_block, tap_panels, at_nt, nt_size
 
 
 cdef struct Run:
@@ -130,10 +138,19 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     s.runs_bytes = (s.runs * sizeof(Run) + 63) // 64 * 64
     cdef Py_ssize_t xt_size = g.C * s.in_ld, wt_size = s.taps * g.Co * g.C
     cdef bint with_dx = c.dx != NULL
+    s.bf16 = c.bf16
+    s.panel_block = c.panel_block
+    s.tap_panels = bf16_panel_size(g.C, g.Co) if c.backward else bf16_panel_size(g.Co, g.C)
+    cdef Py_ssize_t wt_room = wt_size
+    if s.bf16 and (s.taps * s.tap_panels + 1) // 2 > wt_room:
+        wt_room = (s.taps * s.tap_panels + 1) // 2
     s.at_wt = xt_size + g.Co * s.out_ld
-    s.at_dxt = s.at_wt + (wt_size if with_dx else 0)
+    s.at_dxt = s.at_wt + (wt_room if with_dx else 0)
     s.at_dwt = s.at_dxt + (xt_size if with_dx else 0)
-    cdef Py_ssize_t elements = (s.at_dwt if c.backward else s.at_wt) + wt_size
+    s.at_nt = s.at_dwt + wt_size
+    s.nt_size = (bf16_panel_size(_block_start(1, s.threads, g.Co), s.out_ld) + 1) // 2
+    cdef Py_ssize_t elements = (s.at_nt + (s.threads * s.nt_size if s.bf16 else 0)
+                                if c.backward else s.at_wt + wt_room)
     return s.runs_bytes + elements * (4 if c.kind == F32 else 8)
 
 
@@ -212,6 +229,16 @@ cdef inline void _repack_weights(floating* wt, const floating* w, const TapPlan*
     _transpose(wt + o * s.taps * C, C, 1, w + o * C * s.taps, s.taps, 1, C, s.taps, False)
 
 
+cdef inline void _pack_tap(uint16_t* panels, const float* w, const TapPlan* s, Py_ssize_t t,
+                           bint transposed) noexcept nogil:
+    """Tap t of w (C_out, C_in, kh, kw) as bf16 panels: w_t (C_out, C_in), or w_t^T."""
+    cdef Py_ssize_t rows = s.g.C if transposed else s.g.Co
+    cdef Py_ssize_t depth = s.g.Co if transposed else s.g.C
+    cdef Py_ssize_t per_input = s.taps, per_output = s.g.C * s.taps
+    bf16_panel_pack(panels, w + t, rows, depth, per_input if transposed else per_output,
+                    per_output if transposed else per_input, 0, bf16_panel_count(rows))
+
+
 cdef inline Py_ssize_t _block_start(Py_ssize_t k, Py_ssize_t parts, Py_ssize_t n) noexcept nogil:
     """First row of part k when n rows are split into parts blocks of whole panels (part k
     ends where part k + 1 starts). Callers assign the result, never pass a pointer to it: prange
@@ -227,24 +254,37 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef const ConvGeometry* g = &s.g
     cdef Py_ssize_t P = g.Ho * g.Wo, HW = g.H * g.W
     cdef int threads = s.threads
-    cdef Py_ssize_t k, c, o, o0, o1, r, q
+    cdef Py_ssize_t k, c, o, o0, o1, r, q, t
     cdef Run* runs = <Run*> work
     cdef floating* xt = <floating*> (<char*> work + s.runs_bytes)
     cdef floating* yt = xt + g.C * s.in_ld
     cdef floating* wt = xt + s.at_wt
+    cdef bint bf16 = floating is float and s.bf16
+    cdef uint16_t* panels = <uint16_t*> wt
     _list_runs(runs, s)
     with parallel(num_threads=threads):
         for c in prange(g.C, schedule="static"):
             _relayout(<floating*> x + c * HW, g.C * HW, xt + c * s.in_ld, s, True)
-        for o in prange(g.Co, schedule="static"):
-            _repack_weights(wt, w, s, o)
+        if bf16:
+            for t in prange(s.taps, schedule="static"):
+                _pack_tap(panels + t * s.tap_panels, <const float*> w, s, t, False)
+        else:
+            for o in prange(g.Co, schedule="static"):
+                _repack_weights(wt, w, s, o)
         for k in prange(threads, schedule="static"):
             o0 = _block_start(k, threads, g.Co)
             o1 = _block_start(k + 1, threads, g.Co)
             for o in range(o0, o1):
                 for q in range(s.out_ld):
                     yt[o * s.out_ld + q] = b[o] if b != NULL else 0
-            if o1 > o0:
+            if o1 > o0 and bf16:
+                for r in range(s.runs):
+                    bf16_panel_gemm(<float*> (yt + o0 * s.out_ld + runs[r].out), s.out_ld,
+                                    panels + runs[r].tap * s.tap_panels
+                                    + bf16_panel_offset(o0, 0, g.C), o1 - o0, g.C,
+                                    <const float*> (xt + runs[r].inp), s.in_ld,
+                                    runs[r].length, NULL, s.panel_block, True)
+            elif o1 > o0:
                 for r in range(s.runs):
                     gemm(False, False, <int> (o1 - o0), <int> runs[r].length, <int> g.C,
                          <floating> 1, wt + o0 * s.taps * g.C + runs[r].tap * g.C,
@@ -271,10 +311,15 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef floating* wt = xt + s.at_wt
     cdef floating* dxt = xt + s.at_dxt
     cdef floating* dwt = xt + s.at_dwt
+    cdef bint bf16 = floating is float and s.bf16
+    cdef uint16_t* panels = <uint16_t*> wt
     _list_runs(runs, s)
     with parallel(num_threads=threads):
         for c in prange(g.C, schedule="static"):
             _relayout(<floating*> x + c * HW, g.C * HW, xt + c * s.in_ld, s, True)
+        if bf16 and dx != NULL:
+            for t in prange(s.taps, schedule="static"):
+                _pack_tap(panels + t * s.tap_panels, <const float*> w, s, t, True)
         for o in prange(g.Co, schedule="static"):
             _transpose(dyt + o * s.out_ld, g.N, 1, dy + o * P, g.Co * P, 1, g.N, P, False)
             if db != NULL:
@@ -282,7 +327,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 for q in range(s.out_ld):
                     acc = acc + dyt[o * s.out_ld + q]
                 db[o] += acc
-            if dx != NULL:
+            if dx != NULL and not bf16:
                 _repack_weights(wt, w, s, o)
         for k in prange(threads, schedule="static"):
             # Weight gradient of this thread's output channels, tap by tap.
@@ -297,9 +342,19 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                             memset(dwt_t + o * s.taps * g.C, 0, g.C * sizeof(floating))
                     beta = 0
                     while r < s.runs and runs[r].tap == t:
-                        gemm(False, True, <int> (o1 - o0), <int> g.C, <int> runs[r].length,
-                             <floating> 1, dyt + o0 * s.out_ld + runs[r].out, <int> s.out_ld,
-                             xt + runs[r].inp, <int> s.in_ld, beta, dwt_t, <int> (s.taps * g.C))
+                        if bf16:
+                            bf16_gemm_nt(<float*> dwt_t, s.taps * g.C,
+                                         <const float*> (dyt + o0 * s.out_ld + runs[r].out),
+                                         s.out_ld, o1 - o0, <const float*> (xt + runs[r].inp),
+                                         s.in_ld, g.C, runs[r].length,
+                                         <uint16_t*> (xt + s.at_nt + k * s.nt_size),
+                                         s.panel_block, beta != 0)
+                        else:
+                            gemm(False, True, <int> (o1 - o0), <int> g.C,
+                                 <int> runs[r].length, <floating> 1,
+                                 dyt + o0 * s.out_ld + runs[r].out, <int> s.out_ld,
+                                 xt + runs[r].inp, <int> s.in_ld, beta, dwt_t,
+                                 <int> (s.taps * g.C))
                         beta = 1
                         r = r + 1
             for o in range(o0, o1):
@@ -312,6 +367,14 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
             c1 = _block_start(k + 1, threads, g.C)
             if c1 > c0:
                 memset(dxt + c0 * s.in_ld, 0, (c1 - c0) * s.in_ld * sizeof(floating))
+            if c1 > c0 and bf16:
+                for r in range(s.runs):
+                    bf16_panel_gemm(<float*> (dxt + c0 * s.in_ld + runs[r].inp), s.in_ld,
+                                    panels + runs[r].tap * s.tap_panels
+                                    + bf16_panel_offset(c0, 0, g.Co), c1 - c0, g.Co,
+                                    <const float*> (dyt + runs[r].out), s.out_ld,
+                                    runs[r].length, NULL, s.panel_block, True)
+            elif c1 > c0:
                 for r in range(s.runs):
                     gemm(True, False, <int> (c1 - c0), <int> runs[r].length, <int> g.Co,
                          <floating> 1, wt + runs[r].tap * g.C + c0, <int> (s.taps * g.C),

@@ -26,12 +26,14 @@ any padding and image size.
 """
 from cython cimport floating
 from cython.parallel cimport prange, parallel, threadid
+from libc.stdint cimport uint16_t
 from libc.string cimport memcpy, memset
 cimport numpy as cnp
 
 from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
-from _panels cimport (Weights, panel_offset, panel_size, panel_zero_padding_d,
+from _panels cimport (Weights, bf16_gemm_nt, bf16_panel_offset, bf16_panel_size,
+                      bf16_panel_zero_padding, panel_offset, panel_size, panel_zero_padding_d,
                       panel_zero_padding_f, times_weights, weights_operand)
 from _parallel cimport threads_for
 from _validate cimport F32, check_blas_dim
@@ -39,6 +41,9 @@ from _validate cimport F32, check_blas_dim
 from dynar.kernels import conv
 
 cnp.import_array()
+
+cdef extern from "bf16.h" nogil:
+    uint16_t dynar_bf16_from_float(float value)
 
 # Tiles per GEMM below which images are batched together, and above which one image is cut
 # into bands of tile rows (so the tile buffers of a large image stay a few MB).
@@ -82,10 +87,13 @@ cdef struct WinogradPlan:
     Py_ssize_t Wp       # positions per row of a padded input plane: 2 * tw + 2
     Py_ssize_t panels   # the products with the transformed weights on the panel GEMM
                         # (ConvCall.panel_block), 0: on BLAS
+    bint bf16           # ... on its bf16 panels (ConvCall.bf16): u rounded to bf16 as it
+                        # is transformed, the transformed input and output gradient tiles
+                        # as the GEMM reads them
     # The workspace: the transformed weights u (u_size), then in backward the threads'
     # partial weight gradients and their `started` flags (partials_size), then every
     # thread's tile buffers (per_thread).
-    Py_ssize_t u_size, partials_size, per_thread
+    Py_ssize_t u_size, partials_size, per_thread, lane_plane
 
 
 cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
@@ -115,18 +123,22 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     check_blas_dim("winograd: C_out", g.Co)
     check_blas_dim("winograd: tiles per GEMM", s.T)
     s.panels = c.panel_block
+    s.bf16 = c.bf16
     s.u_size = _u_size(s)
     s.partials_size = (16 * g.Co * g.C + 1) * s.threads if c.backward else 0
     # the transformed input tiles and the products (or output-gradient tiles), then bands,
-    # then a lane plane
-    s.per_thread = (16 * (g.C + g.Co) * s.T + (12 + 4 * s.R) * (2 * s.tw + 2)
-                    + ((2 * s.th + 2) * s.Wp * s.G if s.lanes else 0))
+    # then a lane plane, then (bf16 backward) the weight gradient's packed operand
+    s.lane_plane = (2 * s.th + 2) * s.Wp * s.G if s.lanes else 0
+    s.per_thread = 16 * (g.C + g.Co) * s.T + (12 + 4 * s.R) * (2 * s.tw + 2) + s.lane_plane
+    if c.backward and s.bf16:    # the weight gradient's packed dM
+        s.per_thread += (bf16_panel_size(g.Co, s.T) + 1) // 2
     return (s.u_size + s.partials_size + s.threads * s.per_thread) * (4 if c.kind == F32 else 8)
 
 
-cdef inline void _transform_weight(floating* u, Py_ssize_t stride,
-                                   const floating* w) noexcept nogil:
-    """u[xi * stride] for the 16 positions xi = G w G^T of one channel pair's w (3, 3)."""
+cdef inline void _transform_weight(floating* u, Py_ssize_t stride, const floating* w,
+                                   bint bf16) noexcept nogil:
+    """u[xi * stride] for the 16 positions xi = G w G^T of one channel pair's w (3, 3);
+    bf16: u is bf16 (float32 only), stride in halves."""
     cdef floating t[12]
     cdef floating v[16]
     cdef int k
@@ -135,7 +147,10 @@ cdef inline void _transform_weight(floating* u, Py_ssize_t stride,
     for k in range(4):
         _g(v + 4 * k, t + 3 * k, 1, 1)  # rows: v = t G^T
     for k in range(16):
-        u[k * stride] = v[k]
+        if floating is float and bf16:
+            (<uint16_t*> u)[k * stride] = dynar_bf16_from_float(v[k])
+        else:
+            u[k * stride] = v[k]
 
 
 cdef inline void _add_weight_grad(floating* dw, const floating* partials, Py_ssize_t slot,
@@ -160,9 +175,13 @@ cdef inline void _add_weight_grad(floating* dw, const floating* partials, Py_ssi
 
 
 cdef inline Py_ssize_t _u_stride(const WinogradPlan* s, bint transposed) noexcept nogil:
-    """Elements from u[xi] to u[xi + 1] (see _transform_weights)."""
+    """Elements from u[xi] to u[xi + 1] (see _transform_weights); for bf16 panels, the
+    floats their halves fill."""
     if not s.panels:
         return s.g.Co * s.g.C
+    if s.bf16:   # (an even count of halves)
+        return (bf16_panel_size(s.g.C, s.g.Co) if transposed
+                else bf16_panel_size(s.g.Co, s.g.C)) // 2
     return panel_size(s.g.C, s.g.Co) if transposed else panel_size(s.g.Co, s.g.C)
 
 
@@ -178,8 +197,9 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
     """u[xi] = (G w G^T)[xi] for every channel pair of w (C_out, C_in, 3, 3), xi < 16.
 
     Without panels u is (16, C_out, C_in). With them each u[xi] is written straight in the
-    panel form of the GEMMs' left operand (include/panel_gemm.h), with no packing pass:
-    (C_out, C_in) for the forward's, transposed (C_in, C_out) for the input gradient's."""
+    panel form of the GEMMs' left operand (include/panel_gemm.h, or panel_gemm_bf16.h's bf16
+    panels), with no packing pass: (C_out, C_in) for the forward's, transposed (C_in, C_out)
+    for the input gradient's."""
     cdef const ConvGeometry* g = &s.g
     cdef Py_ssize_t i, j, co, c, xi
     cdef bint panels = s.panels
@@ -188,7 +208,12 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
     cdef bint by_input = panels and transposed
     cdef Py_ssize_t m = g.C if by_input else g.Co
     cdef Py_ssize_t k = g.Co if by_input else g.C
-    if panels:
+    cdef bint bf16 = floating is float and s.bf16
+    if bf16:
+        for xi in range(16):
+            bf16_panel_zero_padding(<uint16_t*> (u + xi * stride), m, k)
+        stride *= 2   # halves
+    elif panels:
         for xi in range(16):
             if floating is float:
                 panel_zero_padding_f(u + xi * stride, m, k)
@@ -201,8 +226,12 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
         for j in range(k):
             co = j if by_input else i
             c = i if by_input else j
-            _transform_weight(u + (panel_offset(i, j, k) if panels else i * k + j),
-                              stride, w + (co * g.C + c) * 9)
+            if bf16:
+                _transform_weight(<floating*> (<uint16_t*> u + bf16_panel_offset(i, j, k)),
+                                  stride, w + (co * g.C + c) * 9, True)
+            else:
+                _transform_weight(u + (panel_offset(i, j, k) if panels else i * k + j),
+                                  stride, w + (co * g.C + c) * 9, False)
 
 
 cdef extern from "winograd_tiles.h" nogil:
@@ -505,7 +534,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                 _chunk_input(v, ld, x + n0 * g.C * g.H * g.W, s, gn, ty0, ty1, band, plane)
                 for xi in range(16):
                     a = weights_operand(g.Co, g.C, False, u + xi * u_stride if panels else NULL,
-                                        s.panels)
+                                        s.panels, s.bf16)
                     times_weights(m + xi * g.Co * ld, ld, &a, u + xi * u_stride,
                                   v + xi * g.C * ld, ld, ld, NULL)
                 _chunk_output(y + n0 * g.Co * g.Ho * g.Wo, m, ld, b, s, gn, ty0, ty1, band,
@@ -529,6 +558,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef floating* du = NULL
     cdef floating* band = NULL
     cdef floating* plane = NULL
+    cdef floating* packed = NULL
     cdef double bias_acc
     cdef floating beta
     cdef bint panels = s.panels
@@ -544,6 +574,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         dm = v + 16 * g.C * s.T
         band = dm + 16 * g.Co * s.T
         plane = band + (12 + 4 * s.R) * (2 * s.tw + 2)
+        packed = plane + s.lane_plane
         du = partials + threadid() * slot
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
@@ -560,13 +591,19 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 beta = started[threadid()]
                 started[threadid()] = 1
                 for xi in range(16):
-                    gemm(False, True, <int> g.Co, <int> g.C, <int> ld, <floating> 1,
-                         dm + xi * g.Co * ld, <int> ld, v + xi * g.C * ld, <int> ld,
-                         beta, du + xi * g.Co * g.C, <int> g.C)
+                    if floating is float and s.bf16:
+                        bf16_gemm_nt(du + xi * g.Co * g.C, g.C, dm + xi * g.Co * ld, ld, g.Co,
+                                     v + xi * g.C * ld, ld, g.C, ld, <uint16_t*> packed,
+                                     s.panels, beta != 0)
+                    else:
+                        gemm(False, True, <int> g.Co, <int> g.C, <int> ld, <floating> 1,
+                             dm + xi * g.Co * ld, <int> ld, v + xi * g.C * ld, <int> ld,
+                             beta, du + xi * g.Co * g.C, <int> g.C)
                     if dx != NULL:
                         # dV overwrites V: this position's weight-gradient GEMM consumed it.
                         a = weights_operand(g.Co, g.C, True,
-                                            u + xi * u_stride if panels else NULL, s.panels)
+                                            u + xi * u_stride if panels else NULL, s.panels,
+                                            s.bf16)
                         times_weights(v + xi * g.C * ld, ld, &a, u + xi * u_stride,
                                       dm + xi * g.Co * ld, ld, ld, NULL)
                 if dx != NULL:

@@ -2,11 +2,11 @@
 the layers computing on bf16 operands, whole models against PyTorch's autocast, and
 --precision in training runs.
 
-No test here needs bf16 instructions: the layers' bf16 path is the portable one (float32
+Most tests here need no bf16 instructions: the layers' bf16 path is the portable one (float32
 kernels on bf16-rounded operands), which DYNAR_BF16_ANY_CPU runs on any CPU, and the bf16
-GEMM's portable kernel shares its packing with the BFMMLA one. A GEMM kernel this CPU cannot
-run is skipped, naming the instructions it needs (BFMMLA runs under `qemu-aarch64 -cpu max`
-in the ARM check, docs/ARM.md)."""
+GEMM's portable kernel shares its packing with the BFMMLA one. A kernel this CPU cannot run
+is skipped, naming the instructions it needs (BFMMLA runs under `qemu-aarch64 -cpu max` in
+the ARM check, docs/ARM.md; the convolutions' AVX512_BF16 kernels on such an x86 CPU)."""
 import json
 import os
 import platform
@@ -18,7 +18,7 @@ import pytest
 
 from dynar import checkpoint, kernels, models, nn
 from dynar.kernels import bf16, conv, im2col
-from dynar.nn import precision
+from dynar.nn import conv_algorithms, precision
 from dynar.train import TrainConfig, train
 from support.markers import require_torch
 
@@ -157,7 +157,7 @@ def test_cpu_features_match_what_the_kernel_reports():
     machine = platform.machine()
     if machine == "x86_64":
         flags = _x86_flags()
-        assert ("avx512_bf16" in features) == ({"avx512_bf16", "avx512f"} <= flags), flags
+        assert ("avx512_bf16" in features) == ({"avx512_bf16", "avx512f", "avx512bw"} <= flags), flags
         # AMX also needs the kernel to grant the tile state, which it may refuse.
         assert "amx_bf16" not in features or {"amx_bf16", "amx_tile"} <= flags
         assert "aarch64_bf16" not in features
@@ -201,37 +201,137 @@ def _conv64(x, w, b, stride, padding):
 CONV_CASES = [("gemm", 1), ("gemm", 2), ("winograd", 1), ("direct", 1), ("tapgemm", 1)]
 
 
-def _bf16_step(layer, x, rng):
-    """(y, dx, dy, the bf16-rounded x, w, dy in float64) of one forward and backward of
-    `layer` in bf16, its parameter gradients starting at zero."""
+def _bf16_step(layer, x, rng, rounded=True):
+    """(y, dx, x, w, dy in float64) of one forward and backward of `layer` in bf16, its
+    parameter gradients starting at zero; x, w and dy rounded to bf16 unless not `rounded`."""
     layer.precision = "bf16"
     y = layer.forward(x).copy()
     dy = rng.standard_normal(y.shape).astype(np.float32)
     layer.weight.grad = np.zeros_like(layer.weight.data)
     layer.bias.grad = np.zeros_like(layer.bias.data)
     dx = layer.backward(dy).copy()
-    rounded = (_rounded(a).astype(np.float64) for a in (x, layer.weight.data, dy))
-    return (y, dx, *rounded)
+    operands = ((_rounded(a) if rounded else a).astype(np.float64)
+                for a in (x, layer.weight.data, dy))
+    return (y, dx, *operands)
 
 
 @pytest.mark.parametrize("algorithm, stride", CONV_CASES)
 def test_bf16_convolution_computes_on_rounded_operands_in_float32(algorithm, stride, rng):
     layer = nn.Conv2d(24, 32, 3, stride=stride, padding=1, generator=rng)
     layer.algorithm = algorithm
-    x = rng.standard_normal((3, 24, 11, 11)).astype(np.float32)
-    y, dx, x64, w64, dy64 = _bf16_step(layer, x, rng)
+    x = rng.standard_normal((3, 24, 10, 10)).astype(np.float32)
+    y, dx, *operands = _bf16_step(layer, x, rng, rounded=False)
+    x64, w64, dy64 = (_bf16_values(a) for a in operands)
     # float64 on the bf16-rounded operands: what the layer must match to float32 sums.
     b64 = layer.bias.data.astype(np.float64)
     want_y = _conv64(x64, w64, b64, stride, 1)
     want_dx, want_dw, want_db = np.empty_like(x64), np.zeros_like(w64), np.zeros_like(b64)
     im2col.backward(want_dx, want_dw, want_db, dy64, x64, w64, stride, 1)
-    for name, got, want in (("y", y, want_y), ("dx", dx, want_dx),
-                            ("dw", layer.weight.grad, want_dw), ("db", layer.bias.grad, want_db)):
-        assert _rel(got, want) < 2e-6, name
+    got = y, dx, layer.weight.grad
+    if layer._rounds_itself():
+        # The bias gradient is no product: kernels that round what they multiply sum dy as
+        # it is.
+        want_db = operands[2].sum(axis=(0, 2, 3))
+    if algorithm == "winograd" and conv.bf16_kernels():
+        # Its bf16 products read the transformed tiles (of the operands as they are)
+        # rounded: a reference of its own, from which the one above is a rounding away.
+        for g, want, apart in zip(got, winograd_bf16_reference(*operands, b64),
+                                  (want_y, want_dx, want_dw)):
+            assert _rel(g, want) < 1e-4 and _rel(g, apart) > 1e-3
+        want_y, want_dx, want_dw = got
+    for name, g, want in zip(("y", "dx", "dw", "db"), got + (layer.bias.grad,),
+                             (want_y, want_dx, want_dw, want_db)):
+        assert _rel(g, want) < 2e-6, name
     # The unrounded float32 result is a bf16 rounding away: the test sees the difference.
-    unrounded = _conv64(x.astype(np.float64), layer.weight.data.astype(np.float64), b64,
-                        stride, 1)
+    unrounded = _conv64(operands[0], operands[1], b64, stride, 1)
     assert _rel(y, unrounded) > 1e-4
+
+
+def _bf16_values(a):
+    """float64 `a` rounded to bf16 (through float32, as the kernels hold it)."""
+    return _rounded(a.astype(np.float32)).astype(np.float64)
+
+
+# Winograd F(2x2, 3x3): input, weight and output transforms (pyx/winograd.pyx).
+WINO_BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64)
+WINO_G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], np.float64)
+WINO_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)
+
+
+def winograd_bf16_reference(x, w, dy, b):
+    """(y, dx, dw) of a 3x3, stride-1, padding-1 convolution by Winograd F(2x2, 3x3) in
+    float64 with the GEMM operands rounded to bf16 as the bf16 kernels read them: the
+    transformed weights U, input tiles V and output-gradient tiles dM. Even H and W."""
+    n, c, h, wd = x.shape
+    th, tw = h // 2, wd // 2
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    tiles = np.stack([np.stack([xp[:, :, 2 * i:2 * i + 4, 2 * j:2 * j + 4] for j in range(tw)],
+                               2) for i in range(th)], 2)          # (n, c, th, tw, 4, 4)
+    v = _bf16_values(WINO_BT @ tiles @ WINO_BT.T)
+    u = _bf16_values(WINO_G @ w @ WINO_G.T)                          # (co, c, 4, 4)
+    m = np.einsum("ocab,ncijab->noijab", u, v)
+    y = (WINO_AT @ m @ WINO_AT.T).transpose(0, 1, 2, 4, 3, 5).reshape(n, -1, h, wd)
+    dm = _bf16_values(WINO_AT.T @ dy.reshape(n, -1, th, 2, tw, 2).transpose(0, 1, 2, 4, 3, 5)
+                      @ WINO_AT)
+    dv = WINO_BT.T @ np.einsum("ocab,noijab->ncijab", u, dm) @ WINO_BT
+    dxp = np.zeros_like(xp)
+    for i in range(th):
+        for j in range(tw):
+            dxp[:, :, 2 * i:2 * i + 4, 2 * j:2 * j + 4] += dv[:, :, i, j]
+    dw = WINO_G.T @ np.einsum("noijab,ncijab->ocab", dm, v) @ WINO_G
+    return y + b[:, None, None], dxp[:, :, 1:-1, 1:-1], dw
+
+
+def _needs_bf16_kernels():
+    if not conv.bf16_kernels():
+        pytest.skip("the convolutions' bf16 kernels need AVX512_BF16 and AVX512BW, which "
+                    f"this CPU ({platform.machine()}) does not have")
+
+
+@pytest.mark.parametrize("algorithm", ["gemm", "tapgemm"])
+@pytest.mark.parametrize("c_in, c_out, kernel, stride, size", [
+    (5, 13, 3, 1, 9),        # odd depth (45), partial row panel and column strip
+    (24, 32, 3, 2, 11),
+    (128, 16, 3, 1, 8),      # 1,152 deep: two passes over c
+    (17, 40, 1, 1, 7),       # 1x1: the image itself is the operand
+    (700, 40, 3, 1, 2)])     # per tap 700 deep: two passes; 2x2 plane
+def test_bf16_kernels_round_what_they_read(algorithm, c_in, c_out, kernel, stride, size, rng):
+    """The bf16 products given unrounded operands equal float64 on the rounded ones: the
+    kernels round as they pack (the float32 result is a bf16 rounding away)."""
+    _needs_bf16_kernels()
+    algo = conv_algorithms.ALGORITHMS[algorithm]
+    x = rng.standard_normal((3, c_in, size, size)).astype(np.float32)
+    w = rng.standard_normal((c_out, c_in, kernel, kernel)).astype(np.float32)
+    b = rng.standard_normal(c_out).astype(np.float32)
+    pad = kernel // 2
+    y = np.empty(conv.output_shape(x.shape, w.shape, stride, pad), np.float32)
+    algo.forward(y, x, w, b, stride, pad, bf16=True)
+    x64, w64 = (_rounded(a).astype(np.float64) for a in (x, w))
+    assert _rel(y, _conv64(x64, w64, b.astype(np.float64), stride, pad)) < 2e-6
+    assert _rel(y, _conv64(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64),
+                           stride, pad)) > 1e-4
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx, dw = np.empty_like(x), np.zeros_like(w)
+    algo.backward(dx, dw, None, dy, x, w, stride, pad, bf16=True)
+    want_dx, want_dw = np.empty_like(x64), np.zeros_like(w64)
+    im2col.backward(want_dx, want_dw, None, _rounded(dy).astype(np.float64), x64, w64, stride,
+                    pad)
+    assert _rel(dx, want_dx) < 2e-6 and _rel(dw, want_dw) < 2e-6
+
+
+def test_bf16_kernels_round_by_the_rule(rng):
+    """Values of every finite class (ties, near ties, subnormals), each the only nonzero
+    product of its sum (a 1x1 convolution by the identity): y is each value rounded, bit for
+    bit as include/bf16.h's rule (reference_bf16_bits)."""
+    _needs_bf16_kernels()
+    values = special_values(rng)
+    values = values[np.isfinite(values) & (np.abs(values) < 1e30)][:40 * 96]
+    x = values.reshape(1, 40, 96, 1)
+    w = np.eye(40, dtype=np.float32).reshape(40, 40, 1, 1)
+    y = np.empty_like(x)
+    im2col.forward(y, x, w, None, 1, 0, bf16=True)
+    want = (reference_bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(y, want)
 
 
 # Which instructions each kernel of kernels/bf16.matmul needs.

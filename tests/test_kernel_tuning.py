@@ -13,7 +13,7 @@ import pytest
 
 from dynar import checkpoint, kernels, models
 from dynar.kernels import conv
-from dynar.nn import conv_algorithms, kernel_tuning
+from dynar.nn import conv_algorithms, kernel_tuning, precision
 from dynar.nn.linear import DEFAULT_PLAN, Linear
 from dynar.train import TrainConfig, train
 from mpirun import ROOT, mpi_env, mpiexec
@@ -124,6 +124,49 @@ def test_each_layer_gets_the_fastest_measured_and_the_cache_serves_the_next(cach
         kernels.set_num_threads(2)
         assert {r["source"] for r in kernel_tuning.choose(alexnet(), 4, 2)} == {"measured"}
         assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_bf16_layer_is_timed_apart_on_its_bf16_kernels(cache, monkeypatch):
+    """A layer in bf16 runs other kernels than in fp32: its shapes are cached apart and timed
+    with bf16 calls on rounded operands."""
+    calls = []
+
+    def fake(x_shape, layer, first=None):
+        calls.append(layer.precision)
+        return {"gemm": 1.0, "tapgemm": 2.0}
+    monkeypatch.setattr(kernel_tuning, "time_algorithms", fake)
+    monkeypatch.setattr(kernel_tuning, "time_cuts", lambda *a, **k: {DEFAULT_PLAN: 1.0})
+    fp32 = kernel_tuning.choose(alexnet(), 4, 1)
+    bf16_model = precision.set_precision(alexnet(), "bf16")
+    bf16 = kernel_tuning.choose(bf16_model, 4, 1)
+    assert {r["source"] for r in bf16 if r["kind"] == "conv"} == {"measured"}
+    assert calls == ["fp32"] * 5 + ["bf16"] * 5
+    assert all(a["shape"] + " bf16" == b["shape"] for a, b in zip(fp32, bf16)
+               if a["kind"] == "conv")
+    # The real timing (the fakes undone) hands the kernels bf16 calls.
+    monkeypatch.undo()
+    seen = set()
+    monkeypatch.setitem(conv_algorithms.ALGORITHMS, "gemm",
+                        _Recording(conv_algorithms.ALGORITHMS["gemm"], seen))
+    kernel_tuning.time_algorithms((2, 3, 32, 32), bf16_model.features[0], repeats=1)
+    assert seen == {True}
+
+
+class _Recording:
+    """An algorithm that notes the bf16 argument of its calls."""
+    def __init__(self, algorithm, seen):
+        self.algorithm, self.seen = algorithm, seen
+
+    def supports(self, *args):
+        return self.algorithm.supports(*args)
+
+    def forward(self, *args, bf16=False):
+        self.seen.add(bf16)
+        self.algorithm.forward(*args, bf16=bf16)
+
+    def backward(self, *args, bf16=False):
+        self.seen.add(bf16)
+        self.algorithm.backward(*args, bf16=bf16)
 
 
 def test_a_damaged_cache_is_timed_again_with_a_warning(cache, capsys):

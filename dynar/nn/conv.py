@@ -3,6 +3,7 @@ stride-1 layers where it is faster, the direct kernels on stride-1 layers with f
 or one GEMM per kernel tap on the smallest planes (the choice: conv_algorithms.py)."""
 import numpy as np
 
+from ..kernels import conv as conv_kernels
 from ..kernels.conv import output_shape
 from . import conv_algorithms, init
 from .module import Module
@@ -10,6 +11,9 @@ from .parameter import Parameter
 from .precision import Bf16Operands
 
 ALGORITHMS = ("auto",) + tuple(conv_algorithms.ALGORITHMS)
+# The algorithms whose bf16=True calls compute every product on bf16 instructions where
+# kernels.conv.bf16_kernels() says so.
+ROUNDING_ALGORITHMS = ("gemm", "winograd", "tapgemm")
 
 
 def _pair(v):
@@ -68,7 +72,8 @@ class Conv2d(Bf16Operands, Module):
         self._y = self._keep(self._y, self._y_shape)
         bias = None if self.bias is None else self.bias.data
         xr, w, scratch = self._forward_operands(x)
-        self._run_forward(self._y, xr, w, bias, self.stride, self.padding)
+        self._run_forward(self._y, xr, w, bias, self.stride, self.padding,
+                          bf16=self.precision == "bf16")
         self._give_back(scratch)
         self._x = x
         return self._y
@@ -79,10 +84,17 @@ class Conv2d(Bf16Operands, Module):
             dx = self._grad_buffer(self._x_shape)
         db = None if self.bias is None else self.bias.grad
         dyr, xr, w, scratch = self._backward_operands(dy, self._x)
-        self._run_backward(dx, self.weight.grad, db, dyr, xr, w, self.stride, self.padding)
+        self._run_backward(dx, self.weight.grad, db, dyr, xr, w, self.stride, self.padding,
+                           bf16=self.precision == "bf16")
         self._give_back(scratch)
         self._grad_ready()
         return dx
+
+    def _rounds_itself(self):
+        # These algorithms' bf16 products round every operand they read; Winograd rounds its
+        # transformed tiles rather than the input and output gradient.
+        return (self.precision == "bf16" and self._kernel in ROUNDING_ALGORITHMS
+                and conv_kernels.bf16_kernels())
 
     @property
     def kernel(self):

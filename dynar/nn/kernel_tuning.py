@@ -2,7 +2,7 @@
 of by thresholds measured on another CPU.
 
 Convolutions: for every distinct layer shape (input, weights, stride, padding, whether the
-layer needs an input gradient) at the kernels' thread count, each algorithm that supports it
+layer needs an input gradient, its precision) at the kernels' thread count, each algorithm that supports it
 runs forward + backward a few times on scratch arrays; the fastest is kept. Fully connected
 layers: each of the three products (y, dx, dw) is timed cut among threads along each of its
 two axes in blocks of each width of CUT_WIDTHS (nn/linear.py's plan). Results are cached in a
@@ -25,6 +25,7 @@ import numpy as np
 
 from ..atomic_write import write_text
 from ..kernels import conv, direct, im2col, linear as linear_kernels, tapgemm, winograd
+from ..kernels.bf16 import round_to_bf16
 from . import conv_algorithms
 from .conv import Conv2d as ConvLayer
 from .linear import AXES, DEFAULT_PLAN, Linear, parse_plan
@@ -124,7 +125,8 @@ def _shape_key(x_shape, layer):
                 f"b={int(layer.bias is not None)} dx={int(layer.input_requires_grad)}")
     return (f"x={dims(map(str, x_shape))} w={dims(map(str, layer.weight.shape))} "
             f"s={dims(map(str, layer.stride))} p={dims(map(str, layer.padding))} "
-            f"dx={int(layer.input_requires_grad)}")
+            f"dx={int(layer.input_requires_grad)}"
+            + (" bf16" if layer.precision == "bf16" else ""))
 
 
 def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
@@ -135,11 +137,15 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     released after each candidate) counts as a sample; one more than BUDGET_S behind is not
     timed again, and one far behind the best so far is left at that."""
     rng = np.random.default_rng(0)
+    bf16 = layer.precision == "bf16"     # timed as the layer runs: rounded operands
     x = rng.standard_normal(x_shape, dtype=np.float32)
     w = layer.weight.data.copy()
     b = None if layer.bias is None else np.zeros(layer.out_channels, np.float32)
     y = np.empty(conv.output_shape(x_shape, w.shape, layer.stride, layer.padding), np.float32)
     dy = rng.standard_normal(y.shape, dtype=np.float32)
+    if bf16:
+        for operand in (x, w, dy):
+            round_to_bf16(operand, operand)
     dx = np.empty_like(x) if layer.input_requires_grad else None
     dw, db = np.zeros_like(w), None if b is None else np.zeros_like(b)
     names = sorted(conv_algorithms.ALGORITHMS, key=lambda name: name != first)
@@ -149,8 +155,8 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
         if not kernel.supports(w.shape, layer.stride, layer.padding):
             continue
         def step():
-            kernel.forward(y, x, w, b, layer.stride, layer.padding)
-            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding)
+            kernel.forward(y, x, w, b, layer.stride, layer.padding, bf16=bf16)
+            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding, bf16=bf16)
         try:
             best = _best_of(step, repeats, seconds)
         finally:

@@ -7,7 +7,9 @@ gradients, the optimizer, the gradient allreduce, BatchNorm, the loss. bf16 keep
 exponent range, so gradients need no loss scaling (docs/DESIGN.md, "Precision").
 
 Where this CPU runs a bf16 GEMM kernel (kernels/bf16.matmul: BFMMLA on aarch64), fully
-connected layers compute on it, from bf16 operands it packs itself. Elsewhere the rounded
+connected layers compute on it, from bf16 operands it packs itself; where it has AVX512_BF16,
+im2col's, Winograd's and the per-tap GEMMs' products run on AVX512_BF16 (kernels/conv.
+bf16_kernels, include/panel_gemm_bf16.h), rounding what they read. Elsewhere the rounded
 operands are float32 arrays holding bf16 values, which the float32 kernels multiply exactly
 as bf16 dot-product instructions do (a product of two bf16 values is exact in float32): the
 portable path, correct on any CPU, at float32 speed (docs/notes/2026-12-05-bf16-numerics.md).
@@ -15,6 +17,7 @@ portable path, correct on any CPU, at float32 speed (docs/notes/2026-12-05-bf16-
 import functools
 import os
 
+from ..kernels import conv
 from ..kernels.bf16 import cpu_features, gemm_kernels, round_to_bf16
 
 PRECISIONS = ("fp32", "bf16")
@@ -33,15 +36,22 @@ def resolve(requested):
         return "fp32", None
     features = cpu_features()
     if features:
-        kernel = gemm_kernel()
-        where = (f"fully connected layers on {kernel}, convolutions on the portable path "
-                 f"(fp32 speed)" if kernel else
-                 "dynar has no kernels for them yet, so bf16 runs its portable path (fp32 speed)")
-        return "bf16", f"bf16 instructions: {', '.join(features)}; {where}"
+        return "bf16", f"bf16 instructions: {', '.join(features)}; {kernels_used()}"
     if os.environ.get(ANY_CPU_VARIABLE, "0") not in ("", "0"):
         return "bf16", f"no bf16 instructions on this CPU; computed anyway ({ANY_CPU_VARIABLE})"
     return "fp32", ("--precision bf16: this CPU has no bf16 instructions (AVX512_BF16, AMX-BF16 "
                     "or aarch64 BF16); running fp32")
+
+
+def kernels_used():
+    """Which layers compute on bf16 instructions here, in words, for the start line."""
+    fc = gemm_kernel()
+    convs = ("convolutions (im2col, Winograd, per-tap GEMMs) on AVX512_BF16"
+             if conv.bf16_kernels() else None)
+    on = [part for part in (convs, fc and f"fully connected layers on {fc}") if part]
+    if not on:
+        return "dynar has no kernels for them here, so bf16 runs its portable path (fp32 speed)"
+    return "; ".join(on) + "; the other products on the portable path (fp32 speed)"
 
 
 @functools.cache
@@ -73,9 +83,15 @@ class Bf16Operands:
     precision = "fp32"
     _scratch_w = _scratch_x = _scratch_dy = None
 
+    def _rounds_itself(self):
+        """Whether this layer's kernels read their operands rounded to bf16 themselves (bf16
+        instructions that round as they pack), so that rounding them first would only add a
+        pass over each and its scratch."""
+        return False
+
     def _forward_operands(self, x):
         """(input, weight) the forward kernel reads, and the scratch to give back after."""
-        if self.precision == "fp32":
+        if self.precision == "fp32" or self._rounds_itself():
             return x, self.weight.data, ()
         w = self._rounded("_scratch_w", self.weight.data)
         xr = self._rounded("_scratch_x", x)
@@ -83,7 +99,7 @@ class Bf16Operands:
 
     def _backward_operands(self, dy, x):
         """(dy, input, weight) the backward kernel reads, and the scratch to give back."""
-        if self.precision == "fp32":
+        if self.precision == "fp32" or self._rounds_itself():
             return dy, x, self.weight.data, ()
         dyr = self._rounded("_scratch_dy", dy)
         xr = self._rounded("_scratch_x", x)
