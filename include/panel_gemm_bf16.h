@@ -259,14 +259,16 @@ BF16_INLINE void bf16_panels_times_strips(float *restrict c, ptrdiff_t ldc,
     }
 }
 
-/* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], or c += a @ b when add,
- * row-major; a packed by bf16_panel_pack; a panel's part of one pass fills at most
+/* c (m, n) = a (m, k) @ op(b) [+ bias (m,) on every column], or c += that when add,
+ * row-major; a packed by bf16_panel_pack; op(b) is b (k, n) row-major, or b^T for b (n, k)
+ * with the depth contiguous when b_transposed; a panel's part of one pass fills at most
  * block_bytes. k == 0 leaves c = bias (or zero), or c. */
 BF16_TARGET static void bf16_panel_gemm(float *restrict c, ptrdiff_t ldc,
                                         const uint16_t *restrict panels, ptrdiff_t m,
                                         ptrdiff_t k, const float *restrict b, ptrdiff_t ldb,
-                                        ptrdiff_t n, const float *restrict bias,
-                                        ptrdiff_t block_bytes, int add)
+                                        int b_transposed, ptrdiff_t n,
+                                        const float *restrict bias, ptrdiff_t block_bytes,
+                                        int add)
 {
     if (k == 0) {
         for (ptrdiff_t i = 0; i < m && !add; i++)
@@ -274,8 +276,8 @@ BF16_TARGET static void bf16_panel_gemm(float *restrict c, ptrdiff_t ldc,
                 c[i * ldc + j] = bias ? bias[i] : 0.0f;
         return;
     }
-    bf16_panels_times_strips(c, ldc, (const uint32_t *) panels, m, k, b, ldb, 0, n, bias, add,
-                             block_bytes);
+    bf16_panels_times_strips(c, ldc, (const uint32_t *) panels, m, k, b, ldb, b_transposed,
+                             n, bias, add, block_bytes);
 }
 
 /* c (m, n) += a (m, k) @ b (n, k)^T, or = when !add: both operands new each call (a weight
@@ -309,11 +311,11 @@ BF16_TARGET static void bf16_gemm_nt(float *restrict c, ptrdiff_t ldc, const flo
 
 static void bf16_panel_gemm(float *restrict c, ptrdiff_t ldc, const uint16_t *restrict panels,
                             ptrdiff_t m, ptrdiff_t k, const float *restrict b, ptrdiff_t ldb,
-                            ptrdiff_t n, const float *restrict bias, ptrdiff_t block_bytes,
-                            int add)
+                            int b_transposed, ptrdiff_t n, const float *restrict bias,
+                            ptrdiff_t block_bytes, int add)
 {
-    (void) c; (void) ldc; (void) panels; (void) m; (void) k; (void) b; (void) ldb; (void) n;
-    (void) bias; (void) block_bytes; (void) add;
+    (void) c; (void) ldc; (void) panels; (void) m; (void) k; (void) b; (void) ldb;
+    (void) b_transposed; (void) n; (void) bias; (void) block_bytes; (void) add;
     __builtin_trap();   /* never called: bf16_panel_gemm_runs() is 0 here */
 }
 

@@ -44,8 +44,8 @@ cdef extern from "panel_gemm_bf16.h" nogil:
                          Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
                          Py_ssize_t p1)
     void bf16_panel_gemm(float* c, Py_ssize_t ldc, const uint16_t* panels, Py_ssize_t m,
-                         Py_ssize_t k, const float* b, Py_ssize_t ldb, Py_ssize_t n,
-                         const float* bias, Py_ssize_t block_bytes, bint add)
+                         Py_ssize_t k, const float* b, Py_ssize_t ldb, bint b_transposed,
+                         Py_ssize_t n, const float* bias, Py_ssize_t block_bytes, bint add)
     void bf16_gemm_nt(float* c, Py_ssize_t ldc, const float* a, Py_ssize_t lda, Py_ssize_t m,
                       const float* b, Py_ssize_t ldb, Py_ssize_t n, Py_ssize_t k,
                       uint16_t* work, Py_ssize_t block_bytes, bint add)
@@ -104,8 +104,8 @@ cdef inline void times_weights(floating* c, Py_ssize_t ldc, const Weights* a,
     cdef floating beta = 0
     if a.panels != NULL:
         if floating is float and a.bf16:
-            bf16_panel_gemm(c, ldc, <const uint16_t*> a.panels, a.m, a.k, b, ldb, n, bias,
-                            a.block_bytes, False)
+            bf16_panel_gemm(c, ldc, <const uint16_t*> a.panels, a.m, a.k, b, ldb, False, n,
+                            bias, a.block_bytes, False)
         elif floating is float:
             panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, n, bias,
                          a.block_bytes)

@@ -282,7 +282,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                     bf16_panel_gemm(<float*> (yt + o0 * s.out_ld + runs[r].out), s.out_ld,
                                     panels + runs[r].tap * s.tap_panels
                                     + bf16_panel_offset(o0, 0, g.C), o1 - o0, g.C,
-                                    <const float*> (xt + runs[r].inp), s.in_ld,
+                                    <const float*> (xt + runs[r].inp), s.in_ld, False,
                                     runs[r].length, NULL, s.panel_block, True)
             elif o1 > o0:
                 for r in range(s.runs):
@@ -372,7 +372,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     bf16_panel_gemm(<float*> (dxt + c0 * s.in_ld + runs[r].inp), s.in_ld,
                                     panels + runs[r].tap * s.tap_panels
                                     + bf16_panel_offset(c0, 0, g.Co), c1 - c0, g.Co,
-                                    <const float*> (dyt + runs[r].out), s.out_ld,
+                                    <const float*> (dyt + runs[r].out), s.out_ld, False,
                                     runs[r].length, NULL, s.panel_block, True)
             elif c1 > c0:
                 for r in range(s.runs):

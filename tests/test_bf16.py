@@ -335,7 +335,8 @@ def test_bf16_kernels_round_by_the_rule(rng):
 
 
 # Which instructions each kernel of kernels/bf16.matmul needs.
-GEMM_KERNEL_NEEDS = {"bfmmla": "aarch64 FEAT_BF16 (BFMMLA)", "portable": None}
+GEMM_KERNEL_NEEDS = {"bfmmla": "aarch64 FEAT_BF16 (BFMMLA)",
+                     "avx512_bf16": "x86 AVX512_BF16 and AVX512BW", "portable": None}
 
 
 def runnable_gemm_kernel(name):
@@ -350,6 +351,7 @@ def test_every_gemm_kernel_is_listed_with_what_it_needs():
     assert set(GEMM_KERNEL_NEEDS) == set(bf16.GEMM_KERNELS)
     assert bf16.gemm_kernels()[-1] == "portable"
     assert ("bfmmla" in bf16.gemm_kernels()) == ("aarch64_bf16" in bf16.cpu_features())
+    assert ("avx512_bf16" in bf16.gemm_kernels()) == ("avx512_bf16" in bf16.cpu_features())
 
 
 MATMUL_SHAPES = [  # (m, k, n, trans_a, trans_b): whole and partial panels and quads
