@@ -13,6 +13,7 @@ import pytest
 
 from dynar import checkpoint, kernels, models
 from dynar.kernels import conv
+from dynar.kernels.bf16 import cpu_features
 from dynar.nn import conv_algorithms, kernel_tuning, precision
 from dynar.nn.linear import DEFAULT_PLAN, Linear
 from dynar.train import TrainConfig, train
@@ -236,6 +237,14 @@ def test_tune_kernels_fills_the_cache_training_then_reads(cache):
         kernels.set_num_threads(1)
         records = kernel_tuning.choose(models.get("lenet", seed=0), 8, 1)
     assert {r["source"] for r in records} == {"cached"}
+    # A bf16 job's layers are other entries; they are timed in bf16 where the CPU has it.
+    bf16 = subprocess.run([sys.executable, "-m", "dynar.tune", "--kernels", "--model", "lenet",
+                           "--batch-size", "8", "--threads", "1", "--precision", "bf16"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert bf16.returncode == 0, bf16.stderr
+    assert ("measured" in bf16.stdout) == bool(cpu_features()), bf16.stdout
+    assert "bf16 instructions" in bf16.stdout if cpu_features() else "running fp32" in bf16.stdout
     bad = subprocess.run([sys.executable, "-m", "dynar.tune", "--kernels"], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=60, stdin=subprocess.DEVNULL)
     assert bad.returncode == 2 and "--kernels needs --model" in bad.stderr
