@@ -2,11 +2,13 @@
 of by thresholds measured on another CPU.
 
 Convolutions: for every distinct layer shape (input, weights, stride, padding, whether the
-layer needs an input gradient, its precision) at the kernels' thread count, each algorithm that supports it
-runs forward + backward a few times on scratch arrays; the fastest is kept. Fully connected
-layers: each of the three products (y, dx, dw) is timed cut among threads along each of its
-two axes in blocks of each width of CUT_WIDTHS (nn/linear.py's plan). Results are cached in a
-file per machine and thread count (CPU model, ISA, dynar's kernel build), in
+layer needs an input gradient, its precision) at the kernels' thread count, each algorithm
+that supports it runs forward + backward a few times on scratch arrays (in bf16, as the
+layer runs them); the fastest is kept. Fully connected layers: each of the three products
+(y, dx, dw) is timed cut among threads along each of its two axes in blocks of each width of
+CUT_WIDTHS (nn/linear.py's plan); in bf16 on a CPU with a bf16 GEMM kernel the layer runs
+kernels.bf16.matmul instead, which does not use the cuts. Results are cached in a file per
+machine and thread count (CPU model, ISA, dynar's kernel build), in
 $DYNAR_KERNEL_CACHE or ~/.cache/dynar/kernels, so a shape is timed once per machine;
 `python -m dynar.tune --kernels` fills it ahead of a job. DYNAR_KERNEL_TUNE=0 keeps
 conv_algorithms.preferred's thresholds and linear.DEFAULT_PLAN. A distributed job times on
