@@ -33,8 +33,9 @@
 #define BF16_PASS_QUADS 256
 
 /* The kernels of kernels.bf16.matmul: tiles on this header's layout (portable, BFMMLA), or
- * x86 AVX512_BF16 on include/panel_gemm_bf16.h's panels and strips, its own layout. */
-enum { BF16_KERNEL_PORTABLE = 0, BF16_KERNEL_BFMMLA = 1, BF16_KERNEL_AVX512 = 2 };
+ * x86 AVX512_BF16 and AMX on include/panel_gemm_bf16.h's panels and strips, its own layout. */
+enum { BF16_KERNEL_PORTABLE = 0, BF16_KERNEL_BFMMLA = 1, BF16_KERNEL_AVX512 = 2,
+       BF16_KERNEL_AMX = 3 };
 
 static inline ptrdiff_t bf16_quads(ptrdiff_t k) { return (k + BF16_QUAD - 1) / BF16_QUAD; }
 static inline ptrdiff_t bf16_panels(ptrdiff_t m) { return (m + BF16_PANEL - 1) / BF16_PANEL; }
@@ -140,7 +141,9 @@ static inline int bf16_kernel_runs(int kernel)
     if (kernel == BF16_KERNEL_PORTABLE)
         return 1;
     if (kernel == BF16_KERNEL_AVX512)
-        return bf16_panel_gemm_runs();
+        return (bf16_panel_kernels() & DYNAR_BF16_AVX512) != 0;
+    if (kernel == BF16_KERNEL_AMX)
+        return (bf16_panel_kernels() & DYNAR_BF16_AMX) != 0;
     return kernel == BF16_KERNEL_BFMMLA && BF16_HAVE_BFMMLA
         && (dynar_bf16_features() & DYNAR_BF16_ARM);
 }

@@ -7,8 +7,8 @@
 # workspace for the panels when it is on and describes each operand with weights_operand:
 # w (rows, cols) row-major, or its transpose. Without panels (NULL) the products run on BLAS
 # with w itself, so one call site serves both. In bf16 (ConvCall.bf16: --precision bf16 on a
-# CPU with AVX512_BF16) the panels are bf16 (include/panel_gemm_bf16.h) and the products
-# read the other operand rounded to bf16, summing in float32.
+# CPU with AVX512_BF16, or AMX) the panels are bf16 (include/panel_gemm_bf16.h) and the
+# products read the other operand rounded to bf16, summing in float32.
 from cython cimport floating
 from libc.stdint cimport uint16_t
 
@@ -43,13 +43,14 @@ cdef extern from "panel_gemm_bf16.h" nogil:
     void bf16_panel_pack(uint16_t* panels, const float* a, Py_ssize_t m, Py_ssize_t k,
                          Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
                          Py_ssize_t p1)
-    void bf16_panel_gemm(float* c, Py_ssize_t ldc, const uint16_t* panels, Py_ssize_t m,
-                         Py_ssize_t k, const float* b, Py_ssize_t ldb, bint b_transposed,
-                         Py_ssize_t n, const float* bias, Py_ssize_t block_bytes, bint add)
-    void bf16_gemm_nt(float* c, Py_ssize_t ldc, const float* a, Py_ssize_t lda, Py_ssize_t m,
-                      const float* b, Py_ssize_t ldb, Py_ssize_t n, Py_ssize_t k,
+    void bf16_panel_gemm(int kernel, float* c, Py_ssize_t ldc, const uint16_t* panels,
+                         Py_ssize_t m, Py_ssize_t k, const float* b, Py_ssize_t ldb,
+                         bint b_transposed, Py_ssize_t n, const float* bias,
+                         Py_ssize_t block_bytes, bint add)
+    void bf16_gemm_nt(int kernel, float* c, Py_ssize_t ldc, const float* a, Py_ssize_t lda,
+                      Py_ssize_t m, const float* b, Py_ssize_t ldb, Py_ssize_t n, Py_ssize_t k,
                       uint16_t* work, Py_ssize_t block_bytes, bint add)
-    int bf16_panel_gemm_runs()
+    int bf16_panel_kernels()
 
 
 cdef struct Weights:
@@ -57,17 +58,17 @@ cdef struct Weights:
     Py_ssize_t m, k      # the operand's shape: (rows, cols) of w, or (cols, rows) transposed
     bint transposed
     Py_ssize_t block_bytes   # of L1, for a panel's part of one pass (the plan's panel_block)
-    bint bf16                # bf16 panels (float32 only)
+    int bf16                 # bf16 panels on this kernel (DYNAR_BF16_*), 0: float32
 
 
 cdef inline Weights weights_operand(Py_ssize_t rows, Py_ssize_t cols, bint transposed,
                                     void* panels, Py_ssize_t block_bytes,
-                                    bint bf16) noexcept nogil:
+                                    int bf16) noexcept nogil:
     """w (rows, cols), or its transpose, as a left operand; panels NULL for BLAS; bf16:
-    bf16 panels (the call's ConvCall.bf16)."""
+    the call's bf16 kernel (ConvCall.bf16), 0 for float32."""
     cdef Weights a
     a.panels = panels
-    a.bf16 = bf16 and panels != NULL
+    a.bf16 = bf16 if panels != NULL else 0
     a.block_bytes = block_bytes
     a.m = cols if transposed else rows
     a.k = rows if transposed else cols
@@ -104,8 +105,8 @@ cdef inline void times_weights(floating* c, Py_ssize_t ldc, const Weights* a,
     cdef floating beta = 0
     if a.panels != NULL:
         if floating is float and a.bf16:
-            bf16_panel_gemm(c, ldc, <const uint16_t*> a.panels, a.m, a.k, b, ldb, False, n,
-                            bias, a.block_bytes, False)
+            bf16_panel_gemm(a.bf16, c, ldc, <const uint16_t*> a.panels, a.m, a.k, b, ldb,
+                            False, n, bias, a.block_bytes, False)
         elif floating is float:
             panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, n, bias,
                          a.block_bytes)

@@ -4,9 +4,9 @@ instructions this CPU has.
 Every conversion rounds as include/bf16.h says (nearest, ties to even, NaN kept, subnormals
 to zero), elementwise over arrays of any shape, cut into fixed chunks for the threads: the
 result never depends on the thread count. `matmul` rounds its float32 operands the same way
-as it packs them, for include/bf16_gemm.h's tile kernels (BFMMLA, portable) or, with
-AVX512_BF16, for include/panel_gemm_bf16.h's panels and strips, and sums in float32; each
-element of c is summed by one thread in a fixed order, so it too is independent of the
+as it packs them, for include/bf16_gemm.h's tile kernels (BFMMLA, portable) or, with AMX
+or AVX512_BF16, for include/panel_gemm_bf16.h's panels and strips, and sums in float32;
+each element of c is summed by one thread in a fixed order, so it too is independent of the
 threads.
 """
 from cython.parallel cimport prange
@@ -31,6 +31,7 @@ cdef extern from "bf16.h" nogil:
 
 cdef extern from "bf16_gemm.h" nogil:
     int BF16_PANEL, BF16_KERNEL_PORTABLE, BF16_KERNEL_BFMMLA, BF16_KERNEL_AVX512
+    int BF16_KERNEL_AMX
     Py_ssize_t bf16_packed_size(Py_ssize_t m, Py_ssize_t k)
     Py_ssize_t bf16_panels(Py_ssize_t m)
     void bf16_pack(uint16_t* packed, const float* x, Py_ssize_t m, Py_ssize_t k,
@@ -42,15 +43,15 @@ cdef extern from "bf16_gemm.h" nogil:
                          Py_ssize_t q0, Py_ssize_t q1, bint add, int kernel)
 
 # The kernels of matmul, fastest first.
-GEMM_KERNELS = {"bfmmla": BF16_KERNEL_BFMMLA, "avx512_bf16": BF16_KERNEL_AVX512,
-                "portable": BF16_KERNEL_PORTABLE}
+GEMM_KERNELS = {"amx_bf16": BF16_KERNEL_AMX, "bfmmla": BF16_KERNEL_BFMMLA,
+                "avx512_bf16": BF16_KERNEL_AVX512, "portable": BF16_KERNEL_PORTABLE}
 # matmul's packed operands, kept between calls (pyx/_scratch.pxd): a layer's products are the
 # same sizes step after step.
 cdef Scratch _packed
 # Column panels of c one thread's unit of matmul covers with one row panel.
 DEF UNIT_PANELS = 16
-# Columns of c one thread's unit covers on the AVX512_BF16 kernel, every row (4 strips).
-DEF AVX512_UNIT_COLUMNS = 192
+# Columns of c one thread's unit covers on the panel kernels, every row (4 strips).
+DEF PANEL_UNIT_COLUMNS = 192
 
 # Elements per prange iteration, and the size at or below which one thread does all.
 DEF CHUNK = 16384
@@ -136,18 +137,19 @@ def gemm_kernels():
     return tuple(name for name, kernel in GEMM_KERNELS.items() if bf16_kernel_runs(kernel))
 
 
-cdef void _matmul_avx512(float* c, const float* a, const float* b, Py_ssize_t m, Py_ssize_t n,
-                         Py_ssize_t k, Py_ssize_t a_row, Py_ssize_t a_depth, bint trans_b,
-                         bint add) except *:
-    """matmul on include/panel_gemm_bf16.h: op(a) packed into bf16 panels (parallel over
-    panels), then c in units of AVX512_UNIT_COLUMNS columns, every row, op(b) rounded a
-    strip at a time: b (k, n) as it lies, or b (n, k) read as its transpose."""
+cdef void _matmul_panels(int kernel, float* c, const float* a, const float* b, Py_ssize_t m,
+                         Py_ssize_t n, Py_ssize_t k, Py_ssize_t a_row, Py_ssize_t a_depth,
+                         bint trans_b, bint add) except *:
+    """matmul on include/panel_gemm_bf16.h's `kernel` (DYNAR_BF16_*): op(a) packed into
+    bf16 panels (parallel over panels), then c in units of PANEL_UNIT_COLUMNS columns, every
+    row, op(b) rounded a strip at a time: b (k, n) as it lies, or b (n, k) read as its
+    transpose."""
     cdef bint private
     cdef uint16_t* panels = <uint16_t*> scratch_take(
         &_packed, bf16_panel_size(m, k) * sizeof(uint16_t), &private)
     cdef Py_ssize_t block = panel_block_bytes()
     cdef Py_ssize_t row_panels = bf16_panel_count(m)
-    cdef Py_ssize_t units = (n + AVX512_UNIT_COLUMNS - 1) // AVX512_UNIT_COLUMNS
+    cdef Py_ssize_t units = (n + PANEL_UNIT_COLUMNS - 1) // PANEL_UNIT_COLUMNS
     cdef Py_ssize_t p, unit, j0, cols
     try:
         with nogil:
@@ -155,10 +157,11 @@ cdef void _matmul_avx512(float* c, const float* a, const float* b, Py_ssize_t m,
                             num_threads=threads_for(row_panels)):
                 bf16_panel_pack(panels, a, m, k, a_row, a_depth, p, p + 1)
             for unit in prange(units, schedule="static", num_threads=threads_for(units)):
-                j0 = unit * AVX512_UNIT_COLUMNS
-                cols = n - j0 if n - j0 < AVX512_UNIT_COLUMNS else AVX512_UNIT_COLUMNS
-                bf16_panel_gemm(c + j0, n, panels, m, k, b + (j0 * k if trans_b else j0),
-                                k if trans_b else n, trans_b, cols, NULL, block, add)
+                j0 = unit * PANEL_UNIT_COLUMNS
+                cols = n - j0 if n - j0 < PANEL_UNIT_COLUMNS else PANEL_UNIT_COLUMNS
+                bf16_panel_gemm(kernel, c + j0, n, panels, m, k,
+                                b + (j0 * k if trans_b else j0), k if trans_b else n, trans_b,
+                                cols, NULL, block, add)
     finally:
         scratch_give(&_packed, panels, private)
 
@@ -190,8 +193,9 @@ def matmul(c, a, b, trans_a=False, trans_b=False, accumulate=False, kernel=None)
     # a as (m rows, depth k); b as its transpose, (n rows, depth k).
     cdef Py_ssize_t a_row = 1 if trans_a else k, a_depth = m if trans_a else 1
     cdef Py_ssize_t b_row = k if trans_b else 1, b_depth = 1 if trans_b else n
-    if tile_kernel == BF16_KERNEL_AVX512:
-        _matmul_avx512(<float*> data(ca), <const float*> data(aa), <const float*> data(ba),
+    if tile_kernel == BF16_KERNEL_AVX512 or tile_kernel == BF16_KERNEL_AMX:
+        _matmul_panels(DYNAR_BF16_AMX if tile_kernel == BF16_KERNEL_AMX else DYNAR_BF16_AVX512,
+                       <float*> data(ca), <const float*> data(aa), <const float*> data(ba),
                        m, n, k, a_row, a_depth, trans_b, accumulate)
         return c
     # Both packed operands in the module's workspace, b's from a cache line on.

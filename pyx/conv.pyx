@@ -19,7 +19,7 @@ cimport numpy as cnp
 from _conv_call cimport (ConvAlgorithm, ConvCall, ConvGeometry, PlanSpace, backward_call,
                          capsule_algorithm, conv_geometry, forward_call,
                          output_shape as geometry_output_shape)
-from _panels cimport PANEL_GEMM_PREFERRED, bf16_panel_gemm_runs
+from _panels cimport PANEL_GEMM_PREFERRED, bf16_panel_kernels
 from _scratch cimport Scratch, _tracked_free, scratch_give, scratch_take
 from _validate cimport F32, check_pair
 
@@ -27,7 +27,17 @@ cnp.import_array()
 
 cdef Scratch _workspace
 cdef bint _panel_gemm = PANEL_GEMM_PREFERRED
-cdef bint _bf16_panels = bf16_panel_gemm_runs()
+
+cdef extern from "bf16.h" nogil:
+    enum:
+        DYNAR_BF16_AVX512
+        DYNAR_BF16_AMX
+
+# The bf16 kernels of the panel GEMM by name, fastest first, and those this CPU runs.
+BF16_KERNELS = {"amx_bf16": DYNAR_BF16_AMX, "avx512_bf16": DYNAR_BF16_AVX512}
+cdef int _bf16_runs = bf16_panel_kernels()
+cdef int _bf16_kernel = (DYNAR_BF16_AMX if _bf16_runs & DYNAR_BF16_AMX
+                         else _bf16_runs & DYNAR_BF16_AVX512)
 
 
 def _sysfs_cache(index, name):
@@ -95,9 +105,24 @@ def release_workspace():
 
 def bf16_kernels():
     """Whether bf16 calls (forward's and backward's bf16=True) run on bf16 instructions
-    here: AVX512_BF16, with the panel GEMM on (set_panel_gemm). Elsewhere they compute in
-    float32."""
-    return bool(_bf16_panels and _panel_gemm)
+    here: AMX or AVX512_BF16 (bf16_kernel), with the panel GEMM on (set_panel_gemm).
+    Elsewhere they compute in float32."""
+    return bool(_bf16_kernel and _panel_gemm)
+
+
+def bf16_kernel(name=None):
+    """The bf16 kernel bf16 calls run on: "amx_bf16", "avx512_bf16" (the fastest this CPU
+    runs, by default), or None where it runs neither. A name sets it (ValueError naming
+    what this CPU runs when it cannot). Returns the kernel before."""
+    global _bf16_kernel
+    previous = next((n for n, k in BF16_KERNELS.items() if k == _bf16_kernel), None)
+    if name is not None:
+        if name not in BF16_KERNELS or not _bf16_runs & BF16_KERNELS[name]:
+            runs = [n for n, k in BF16_KERNELS.items() if _bf16_runs & k]
+            raise ValueError(f"bf16 kernel {name!r}: this CPU runs "
+                             f"{', '.join(map(repr, runs)) or 'no bf16 kernel'}")
+        _bf16_kernel = BF16_KERNELS[name]
+    return previous
 
 
 def set_panel_gemm(bint enabled):
@@ -184,7 +209,7 @@ cdef class Algorithm:
             raise ValueError(f"{self.name}: needs {self.needs}, got a {c.g.kh}x{c.g.kw} "
                              f"kernel at stride {(c.g.sh, c.g.sw)}")
         c.panel_block = _panel_block if _panel_gemm else 0
-        c.bf16 = bf16 and bf16_kernels() and c.kind == F32
+        c.bf16 = _bf16_kernel if bf16 and bf16_kernels() and c.kind == F32 else 0
         cdef PlanSpace plan
         cdef bint private
         cdef size_t work_bytes = self._impl.plan(c, &plan)

@@ -67,7 +67,7 @@ cdef struct Im2colPlan:
     Py_ssize_t R           # output rows per GEMM when G == 1 (a tile of col that stays in cache)
     bint pointwise         # 1x1, stride 1, no padding: col is the image itself, no unfolding
     Py_ssize_t panels      # the products with w on the panel GEMM (ConvCall.panel_block), 0: BLAS
-    bint bf16              # ... on its bf16 panels (ConvCall.bf16)
+    int bf16               # ... on its bf16 panels and this kernel (ConvCall.bf16)
     int threads
     Py_ssize_t tile        # a thread's col tile: K * G * R * Wo
     Py_ssize_t per_thread  # the tile, then (grouped images) the group's output or its gradient,
@@ -216,8 +216,12 @@ cdef inline Py_ssize_t _rows_per_tile(Py_ssize_t K, Py_ssize_t Wo, Py_ssize_t Ho
 
 
 cdef inline Py_ssize_t _panel_elements(const Im2colPlan* s) noexcept nogil:
-    """Workspace for the panels of w or w^T (the same size either way up to padding)."""
+    """Workspace for the panels of w or w^T (the same size either way up to padding), in
+    elements (a float holds two halves of bf16 panels)."""
     cdef Py_ssize_t a = panel_size(s.g.Co, s.K), b = panel_size(s.K, s.g.Co)
+    if s.bf16:
+        a = (bf16_panel_size(s.g.Co, s.K) + 1) // 2
+        b = (bf16_panel_size(s.K, s.g.Co) + 1) // 2
     return (a if a > b else b) if s.panels else 0
 
 
@@ -309,7 +313,7 @@ cdef inline void _weight_gradient(floating* dwt, const floating* col, Py_ssize_t
     """dw^T (K, C_out) += col (K, cols) @ dy^T (cols, C_out); in bf16, col packed into
     `packed` as it is rounded."""
     if floating is float and s.bf16:
-        bf16_gemm_nt(dwt, s.g.Co, col, ld_col, s.K, dy, ld_dy, s.g.Co, cols,
+        bf16_gemm_nt(s.bf16, dwt, s.g.Co, col, ld_col, s.K, dy, ld_dy, s.g.Co, cols,
                      <uint16_t*> packed, s.panels, True)
         return
     gemm(False, True, <int> s.K, <int> s.g.Co, <int> cols, <floating> 1, col, <int> ld_col,

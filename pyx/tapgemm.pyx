@@ -68,7 +68,7 @@ cdef struct TapPlan:
     # nt_size elements for the weight gradient's packed dy~.
     size_t runs_bytes
     Py_ssize_t at_wt, at_dxt, at_dwt
-    bint bf16
+    int bf16
     Py_ssize_t panel_block, tap_panels, at_nt, nt_size
 
 
@@ -279,7 +279,8 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
                     yt[o * s.out_ld + q] = b[o] if b != NULL else 0
             if o1 > o0 and bf16:
                 for r in range(s.runs):
-                    bf16_panel_gemm(<float*> (yt + o0 * s.out_ld + runs[r].out), s.out_ld,
+                    bf16_panel_gemm(s.bf16,
+                                    <float*> (yt + o0 * s.out_ld + runs[r].out), s.out_ld,
                                     panels + runs[r].tap * s.tap_panels
                                     + bf16_panel_offset(o0, 0, g.C), o1 - o0, g.C,
                                     <const float*> (xt + runs[r].inp), s.in_ld, False,
@@ -343,7 +344,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     beta = 0
                     while r < s.runs and runs[r].tap == t:
                         if bf16:
-                            bf16_gemm_nt(<float*> dwt_t, s.taps * g.C,
+                            bf16_gemm_nt(s.bf16, <float*> dwt_t, s.taps * g.C,
                                          <const float*> (dyt + o0 * s.out_ld + runs[r].out),
                                          s.out_ld, o1 - o0, <const float*> (xt + runs[r].inp),
                                          s.in_ld, g.C, runs[r].length,
@@ -369,7 +370,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 memset(dxt + c0 * s.in_ld, 0, (c1 - c0) * s.in_ld * sizeof(floating))
             if c1 > c0 and bf16:
                 for r in range(s.runs):
-                    bf16_panel_gemm(<float*> (dxt + c0 * s.in_ld + runs[r].inp), s.in_ld,
+                    bf16_panel_gemm(s.bf16,
+                                    <float*> (dxt + c0 * s.in_ld + runs[r].inp), s.in_ld,
                                     panels + runs[r].tap * s.tap_panels
                                     + bf16_panel_offset(c0, 0, g.Co), c1 - c0, g.Co,
                                     <const float*> (dyt + runs[r].out), s.out_ld, False,

@@ -87,9 +87,9 @@ cdef struct WinogradPlan:
     Py_ssize_t Wp       # positions per row of a padded input plane: 2 * tw + 2
     Py_ssize_t panels   # the products with the transformed weights on the panel GEMM
                         # (ConvCall.panel_block), 0: on BLAS
-    bint bf16           # ... on its bf16 panels (ConvCall.bf16): u rounded to bf16 as it
-                        # is transformed, the transformed input and output gradient tiles
-                        # as the GEMM reads them
+    int bf16            # ... on its bf16 panels and this kernel (ConvCall.bf16): u rounded
+                        # to bf16 as it is transformed, the transformed input and output
+                        # gradient tiles as the GEMM reads them
     # The workspace: the transformed weights u (u_size), then in backward the threads'
     # partial weight gradients and their `started` flags (partials_size), then every
     # thread's tile buffers (per_thread).
@@ -592,9 +592,9 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 started[threadid()] = 1
                 for xi in range(16):
                     if floating is float and s.bf16:
-                        bf16_gemm_nt(du + xi * g.Co * g.C, g.C, dm + xi * g.Co * ld, ld, g.Co,
-                                     v + xi * g.C * ld, ld, g.C, ld, <uint16_t*> packed,
-                                     s.panels, beta != 0)
+                        bf16_gemm_nt(s.bf16, du + xi * g.Co * g.C, g.C,
+                                     dm + xi * g.Co * ld, ld, g.Co, v + xi * g.C * ld, ld,
+                                     g.C, ld, <uint16_t*> packed, s.panels, beta != 0)
                     else:
                         gemm(False, True, <int> g.Co, <int> g.C, <int> ld, <floating> 1,
                              dm + xi * g.Co * ld, <int> ld, v + xi * g.C * ld, <int> ld,

@@ -6,7 +6,8 @@ Most tests here need no bf16 instructions: the layers' bf16 path is the portable
 kernels on bf16-rounded operands), which DYNAR_BF16_ANY_CPU runs on any CPU, and the bf16
 GEMM's portable kernel shares its packing with the BFMMLA one. A kernel this CPU cannot run
 is skipped, naming the instructions it needs (BFMMLA runs under `qemu-aarch64 -cpu max` in
-the ARM check, docs/ARM.md; the convolutions' AVX512_BF16 kernels on such an x86 CPU)."""
+the ARM check, docs/ARM.md; the convolutions' AMX and AVX512_BF16 kernels on such an x86
+CPU, each of them where it has both)."""
 import json
 import os
 import platform
@@ -199,6 +200,63 @@ def _conv64(x, w, b, stride, padding):
 
 
 CONV_CASES = [("gemm", 1), ("gemm", 2), ("winograd", 1), ("direct", 1), ("tapgemm", 1)]
+# What each of the convolutions' bf16 kernels needs (kernels/conv.BF16_KERNELS).
+CONV_KERNEL_NEEDS = {"amx_bf16": "x86 AMX-BF16 (tile state granted by Linux) and AVX512_BF16",
+                     "avx512_bf16": "x86 AVX512_BF16 and AVX512BW"}
+
+
+@pytest.fixture(params=list(CONV_KERNEL_NEEDS))
+def conv_bf16_kernel(request):
+    """The convolutions' bf16 products on each kernel in turn, skipped (saying what it
+    needs) where this CPU cannot run it."""
+    yield from _convolutions_on(request.param)
+
+
+@pytest.fixture(params=[*CONV_KERNEL_NEEDS, "portable"])
+def conv_bf16_path(request):
+    """As conv_bf16_kernel, and on the portable path: the panel GEMM off, float32 kernels on
+    operands the layer rounds, which every CPU runs."""
+    yield from _convolutions_on(request.param)
+
+
+def _convolutions_on(name):
+    if name == "portable":
+        previous = conv.set_panel_gemm(False)
+        yield name
+        conv.set_panel_gemm(previous)
+        return
+    if name not in _conv_kernels_here():
+        pytest.skip(f"the convolutions' {name} kernel needs {CONV_KERNEL_NEEDS[name]}, which "
+                    f"this CPU ({platform.machine()}) does not have")
+    previous = conv.bf16_kernel(name)
+    yield name
+    conv.bf16_kernel(previous)
+
+
+def _conv_kernels_here():
+    """The convolutions' bf16 kernels this CPU runs."""
+    runs = []
+    previous = conv.bf16_kernel()
+    for name in CONV_KERNEL_NEEDS:
+        try:
+            conv.bf16_kernel(name)
+            runs.append(name)
+        except ValueError:
+            pass
+    if previous is not None:
+        conv.bf16_kernel(previous)
+    return runs
+
+
+def test_every_conv_kernel_is_listed_and_runs_where_the_cpu_has_it():
+    assert set(CONV_KERNEL_NEEDS) == set(conv.BF16_KERNELS)
+    features = bf16.cpu_features()
+    here = _conv_kernels_here()
+    assert ("avx512_bf16" in here) == ("avx512_bf16" in features)
+    assert ("amx_bf16" in here) == ({"amx_bf16", "avx512_bf16"} <= set(features))
+    assert conv.bf16_kernel() == (here[0] if here else None)   # the fastest by default
+    with pytest.raises(ValueError, match="bf16 kernel 'tiles': this CPU runs"):
+        conv.bf16_kernel("tiles")
 
 
 def _bf16_step(layer, x, rng, rounded=True):
@@ -216,7 +274,8 @@ def _bf16_step(layer, x, rng, rounded=True):
 
 
 @pytest.mark.parametrize("algorithm, stride", CONV_CASES)
-def test_bf16_convolution_computes_on_rounded_operands_in_float32(algorithm, stride, rng):
+def test_bf16_convolution_computes_on_rounded_operands_in_float32(algorithm, stride,
+                                                                  conv_bf16_path, rng):
     layer = nn.Conv2d(24, 32, 3, stride=stride, padding=1, generator=rng)
     layer.algorithm = algorithm
     x = rng.standard_normal((3, 24, 10, 10)).astype(np.float32)
@@ -282,23 +341,18 @@ def winograd_bf16_reference(x, w, dy, b):
     return y + b[:, None, None], dxp[:, :, 1:-1, 1:-1], dw
 
 
-def _needs_bf16_kernels():
-    if not conv.bf16_kernels():
-        pytest.skip("the convolutions' bf16 kernels need AVX512_BF16 and AVX512BW, which "
-                    f"this CPU ({platform.machine()}) does not have")
-
-
 @pytest.mark.parametrize("algorithm", ["gemm", "tapgemm"])
 @pytest.mark.parametrize("c_in, c_out, kernel, stride, size", [
     (5, 13, 3, 1, 9),        # odd depth (45), partial row panel and column strip
+    (1, 6, 5, 1, 12),        # LeNet's conv1: panels of w (25 deep) padded past float32's
     (24, 32, 3, 2, 11),
     (128, 16, 3, 1, 8),      # 1,152 deep: two passes over c
     (17, 40, 1, 1, 7),       # 1x1: the image itself is the operand
     (700, 40, 3, 1, 2)])     # per tap 700 deep: two passes; 2x2 plane
-def test_bf16_kernels_round_what_they_read(algorithm, c_in, c_out, kernel, stride, size, rng):
+def test_bf16_kernels_round_what_they_read(algorithm, c_in, c_out, kernel, stride, size,
+                                           conv_bf16_kernel, rng):
     """The bf16 products given unrounded operands equal float64 on the rounded ones: the
     kernels round as they pack (the float32 result is a bf16 rounding away)."""
-    _needs_bf16_kernels()
     algo = conv_algorithms.ALGORITHMS[algorithm]
     x = rng.standard_normal((3, c_in, size, size)).astype(np.float32)
     w = rng.standard_normal((c_out, c_in, kernel, kernel)).astype(np.float32)
@@ -319,11 +373,10 @@ def test_bf16_kernels_round_what_they_read(algorithm, c_in, c_out, kernel, strid
     assert _rel(dx, want_dx) < 2e-6 and _rel(dw, want_dw) < 2e-6
 
 
-def test_bf16_kernels_round_by_the_rule(rng):
+def test_bf16_kernels_round_by_the_rule(conv_bf16_kernel, rng):
     """Values of every finite class (ties, near ties, subnormals), each the only nonzero
     product of its sum (a 1x1 convolution by the identity): y is each value rounded, bit for
     bit as include/bf16.h's rule (reference_bf16_bits)."""
-    _needs_bf16_kernels()
     values = special_values(rng)
     values = values[np.isfinite(values) & (np.abs(values) < 1e30)][:40 * 96]
     x = values.reshape(1, 40, 96, 1)
@@ -335,7 +388,8 @@ def test_bf16_kernels_round_by_the_rule(rng):
 
 
 # Which instructions each kernel of kernels/bf16.matmul needs.
-GEMM_KERNEL_NEEDS = {"bfmmla": "aarch64 FEAT_BF16 (BFMMLA)",
+GEMM_KERNEL_NEEDS = {"amx_bf16": "x86 AMX-BF16 (tile state granted by Linux) and AVX512_BF16",
+                     "bfmmla": "aarch64 FEAT_BF16 (BFMMLA)",
                      "avx512_bf16": "x86 AVX512_BF16 and AVX512BW", "portable": None}
 
 

@@ -7,9 +7,9 @@ gradients, the optimizer, the gradient allreduce, BatchNorm, the loss. bf16 keep
 exponent range, so gradients need no loss scaling (docs/DESIGN.md, "Precision").
 
 Where this CPU runs a bf16 GEMM kernel (kernels/bf16.matmul: BFMMLA on aarch64), fully
-connected layers compute on it, from bf16 operands it packs itself; where it has AVX512_BF16,
-im2col's, Winograd's and the per-tap GEMMs' products run on AVX512_BF16 (kernels/conv.
-bf16_kernels, include/panel_gemm_bf16.h), rounding what they read. Elsewhere the rounded
+connected layers compute on it, from bf16 operands it packs itself; where it has AMX or
+AVX512_BF16, im2col's, Winograd's and the per-tap GEMMs' products run on it (kernels/conv.
+bf16_kernel, include/panel_gemm_bf16.h), rounding what they read. Elsewhere the rounded
 operands are float32 arrays holding bf16 values, which the float32 kernels multiply exactly
 as bf16 dot-product instructions do (a product of two bf16 values is exact in float32): the
 portable path, correct on any CPU, at float32 speed (docs/notes/2026-12-05-bf16-numerics.md).
@@ -46,7 +46,7 @@ def resolve(requested):
 def kernels_used():
     """Which layers compute on bf16 instructions here, in words, for the start line."""
     fc = gemm_kernel()
-    convs = ("convolutions (im2col, Winograd, per-tap GEMMs) on AVX512_BF16"
+    convs = (f"convolutions (im2col, Winograd, per-tap GEMMs) on {conv.bf16_kernel()}"
              if conv.bf16_kernels() else None)
     on = [part for part in (convs, fc and f"fully connected layers on {fc}") if part]
     if not on:
