@@ -103,10 +103,17 @@ static void bf16_panel_zero_padding(uint16_t *restrict panels, ptrdiff_t m, ptrd
             panels[bf16_panel_offset(i, j, k)] = 0;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 11)
+#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
 #include <immintrin.h>
 #define BF16_HAVE_X86 1
+/* AMX's intrinsics came with GCC 11 and clang 12; older compilers build the rest. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define BF16_HAVE_AMX 1
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+#else
+#define BF16_HAVE_AMX 0
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#endif
 #define BF16_INLINE static inline __attribute__((always_inline)) BF16_TARGET
 /* The tile instructions' asm does not tell the compiler which memory they read or write. */
 #define BF16_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
@@ -236,6 +243,7 @@ BF16_INLINE void bf16_avx512_block(float *restrict c, ptrdiff_t ldc,
                                   acc[r][v]);
 }
 
+#if BF16_HAVE_AMX
 /* The tiles' shapes for LDTILECFG (palette 1): c's three in tiles 0-2, a's in 3, b's in
  * 4-6, each 16 rows of 64 bytes. */
 struct bf16_tile_config {
@@ -313,6 +321,7 @@ BF16_INLINE void bf16_amx_block(float *restrict c, ptrdiff_t ldc,
                 for (int j = 0; j < (v < nv - 1 ? 16 : tail); j++)
                     c[r * ldc + v * 16 + j] = edge[v][r * 16 + j];
 }
+#endif
 
 /* One panel of c against the strip on `kernel`: its rows [0, rows), the strip's nv vectors
  * of columns (the last with `tail`), over `pairs` pairs. */
@@ -322,17 +331,22 @@ BF16_INLINE void bf16_panel_block(int kernel, float *restrict c, ptrdiff_t ldc,
                                   const float *restrict bias, int first, int rows, int nv,
                                   int tail)
 {
+#if BF16_HAVE_AMX
     if (kernel == DYNAR_BF16_AMX) {
         bf16_amx_block(c, ldc, panel, strip, pairs, bias, first, rows, nv, tail);
         return;
     }
+#else
+    (void) kernel;
+#endif
     for (int half = 0; half < 2 && half * 8 < rows; half++)
         bf16_avx512_block(c + half * 8 * ldc, ldc, panel + half * 8 * BF16_BLOCK_PAIRS, strip,
                           pairs, bias ? bias + half * 8 : NULL, first,
                           rows - half * 8 < 8 ? rows - half * 8 : 8, nv, tail);
 }
 
-/* c (m, n) = a (m, k) @ op(b) [+ bias (m,) on every column] (or c += that, when add), a as
+/* c (m, n) = a (m, k) @ op(b) [+ bias (m,) on every column] (or c += a @ op(b), bias unread,
+ * when add), a as
  * bf16 panels (units), op(b) (k, n) read a strip at a time: b (k, n) row-major, or b (n, k)
  * with the depth contiguous when b_transposed. */
 BF16_INLINE void bf16_panels_times_strips(int kernel, float *restrict c, ptrdiff_t ldc,
@@ -355,8 +369,10 @@ BF16_INLINE void bf16_panels_times_strips(int kernel, float *restrict c, ptrdiff
     const ptrdiff_t blocks = panel_pairs / BF16_BLOCK_PAIRS;
     const ptrdiff_t depth = (blocks + passes - 1) / passes * BF16_BLOCK_PAIRS;
     uint32_t strip[depth * BF16_PANEL_WIDTH] __attribute__((aligned(64)));
+#if BF16_HAVE_AMX
     if (kernel == DYNAR_BF16_AMX)
         bf16_amx_configure();
+#endif
     for (ptrdiff_t t0 = 0; t0 < panel_pairs; t0 += depth) {
         const ptrdiff_t kd = panel_pairs - t0 < depth ? panel_pairs - t0 : depth;
         /* The pairs VDPBF16PS runs: the padding's products are zero. */
@@ -397,12 +413,14 @@ BF16_INLINE void bf16_panels_times_strips(int kernel, float *restrict c, ptrdiff
             }
         }
     }
+#if BF16_HAVE_AMX
     if (kernel == DYNAR_BF16_AMX)
         _tile_release();
+#endif
 }
 
-/* c (m, n) = a (m, k) @ op(b) [+ bias (m,) on every column], or c += that when add,
- * row-major, on `kernel` (DYNAR_BF16_AVX512 or DYNAR_BF16_AMX); a packed by
+/* c (m, n) = a (m, k) @ op(b) [+ bias (m,) on every column], or c += a @ op(b) when add
+ * (bias unread), row-major, on `kernel` (DYNAR_BF16_AVX512 or DYNAR_BF16_AMX); a packed by
  * bf16_panel_pack; op(b) is b (k, n) row-major, or b^T for b (n, k) with the depth
  * contiguous when b_transposed; half a panel's part of one pass fills at most block_bytes.
  * k == 0 leaves c = bias (or zero), or c. */
@@ -455,6 +473,7 @@ BF16_TARGET static void bf16_gemm_nt(int kernel, float *restrict c, ptrdiff_t ld
 }
 #else
 #define BF16_HAVE_X86 0
+#define BF16_HAVE_AMX 0
 
 static void bf16_panel_gemm(int kernel, float *restrict c, ptrdiff_t ldc,
                             const uint16_t *restrict panels, ptrdiff_t m, ptrdiff_t k,
@@ -485,7 +504,7 @@ static inline int bf16_panel_kernels(void)
     const int features = BF16_HAVE_X86 ? dynar_bf16_features() : 0;
     if (!(features & DYNAR_BF16_AVX512))
         return 0;
-    return features & (DYNAR_BF16_AVX512 | DYNAR_BF16_AMX);
+    return features & (DYNAR_BF16_AVX512 | (BF16_HAVE_AMX ? DYNAR_BF16_AMX : 0));
 }
 
 #endif
