@@ -179,7 +179,7 @@ cdef inline GradientSums _channel_gradient_sums(const floating* dy, const floati
     cdef double acc_dy_xc[LANES]
     cdef const floating* dyc
     cdef const floating* xc
-    cdef Py_ssize_t n, i, l, whole = HW - HW % LANES
+    cdef Py_ssize_t n, i, j, l, whole = HW - HW % LANES
     for l in range(LANES):
         acc_dy[l] = 0
         acc_dy_xc[l] = 0
@@ -188,8 +188,9 @@ cdef inline GradientSums _channel_gradient_sums(const floating* dy, const floati
         xc = x + (n * C + c) * HW
         for i in range(whole // LANES):
             for l in range(LANES):
-                acc_dy[l] = acc_dy[l] + dyc[i * LANES + l]
-                acc_dy_xc[l] = acc_dy_xc[l] + dyc[i * LANES + l] * <double> (xc[i * LANES + l] - mu_c)
+                j = i * LANES + l
+                acc_dy[l] = acc_dy[l] + dyc[j]
+                acc_dy_xc[l] = acc_dy_xc[l] + dyc[j] * <double> (xc[j] - mu_c)
         for l in range(HW - whole):
             acc_dy[l] = acc_dy[l] + dyc[whole + l]
             acc_dy_xc[l] = acc_dy_xc[l] + dyc[whole + l] * <double> (xc[whole + l] - mu_c)
