@@ -14,6 +14,7 @@
  *
  * The transforms (Lavin & Gray's F(2x2, 3x3)), each applied down the columns, then along
  * the rows of a tile:
+ *   weights G w G^T,  G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
  *   input   B^T d B,  B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]
  *   output  A^T m A,  A^T = [1 1 1 0; 0 1 -1 -1]
  * and, for backward, their adjoints A g A^T and B v B^T.
@@ -21,8 +22,47 @@
 #ifndef DYNAR_WINOGRAD_TILES_H
 #define DYNAR_WINOGRAD_TILES_H
 #include <stddef.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+/* G g G^T for one 3x3 kernel g (row-major at G_PTR), down the columns (t = G g, rows
+ * a b c d), then along each row: STORE, with XI and VALUE defined, for each of the 16 values.
+ * In scalars, no arrays, so that a loop over kernels vectorizes. Needs REAL h = 0.5. */
+#define WINO_WEIGHT_ROW(REAL, I, X0, X1, X2, STORE)                                          \
+    {                                                                                        \
+        REAL even_ = h * ((X0) + (X2));                                                      \
+        { const int XI = 4 * (I); const REAL VALUE = (X0); STORE; }                          \
+        { const int XI = 4 * (I) + 1; const REAL VALUE = even_ + h * (X1); STORE; }          \
+        { const int XI = 4 * (I) + 2; const REAL VALUE = even_ - h * (X1); STORE; }          \
+        { const int XI = 4 * (I) + 3; const REAL VALUE = (X2); STORE; }                      \
+    }
+#define WINO_WEIGHT_TILE(REAL, G_PTR, STORE)                                                 \
+    {                                                                                        \
+        const REAL *g_ = (G_PTR);                                                            \
+        REAL e0 = h * (g_[0] + g_[6]), e1 = h * (g_[1] + g_[7]), e2 = h * (g_[2] + g_[8]);   \
+        REAL b0 = e0 + h * g_[3], b1 = e1 + h * g_[4], b2 = e2 + h * g_[5];                  \
+        REAL c0 = e0 - h * g_[3], c1 = e1 - h * g_[4], c2 = e2 - h * g_[5];                  \
+        WINO_WEIGHT_ROW(REAL, 0, g_[0], g_[1], g_[2], STORE)                                 \
+        WINO_WEIGHT_ROW(REAL, 1, b0, b1, b2, STORE)                                          \
+        WINO_WEIGHT_ROW(REAL, 2, c0, c1, c2, STORE)                                          \
+        WINO_WEIGHT_ROW(REAL, 3, g_[6], g_[7], g_[8], STORE)                                 \
+    }
 
 #define DYNAR_WINOGRAD_TILES(REAL, SUFFIX)                                                   \
+/* The weight transform of `count` channel pairs, vectorized across them: pair r's kernel    \
+ * g at w + r * w_step, (G g G^T)[xi] at u[xi * stride + r]. */                              \
+static inline void wino_weights_##SUFFIX(                                                    \
+        REAL *restrict u, ptrdiff_t stride, const REAL *restrict w, ptrdiff_t w_step,        \
+        ptrdiff_t count)                                                                     \
+{                                                                                            \
+    const REAL h = (REAL) 0.5;                                                               \
+    _Pragma("omp simd")                                                                      \
+    for (ptrdiff_t r = 0; r < count; r++) {                                                  \
+        WINO_WEIGHT_TILE(REAL, w + r * w_step, u[(XI) * stride + r] = (VALUE))               \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
 /* The column half of the input transform for one row of tiles: t = B^T d, d the 4 image     \
  * rows d0..d3 (W wide; a row in the padding points at zeros) seen shifted right by pw and   \
  * zero-padded to the band width 2*tw + 2. t: 4 band-wide rows. */                           \
@@ -282,4 +322,19 @@ DYNAR_WINOGRAD_TILES(float, f)
 DYNAR_WINOGRAD_TILES(double, d)
 #undef DYNAR_WINOGRAD_TILES
 
+/* wino_weights_f into bf16 panels, each value rounded as include/bf16.h rounds; pair r's
+ * values at r * step halves from u's (within a bf16 panel, rows are a block row apart). */
+static inline void wino_weights_bf16(uint16_t *restrict u, ptrdiff_t stride, ptrdiff_t step,
+                                     const float *restrict w, ptrdiff_t w_step, ptrdiff_t count)
+{
+    const float h = 0.5f;
+    _Pragma("omp simd")
+    for (ptrdiff_t r = 0; r < count; r++) {
+        WINO_WEIGHT_TILE(float, w + r * w_step,
+                         u[(XI) * stride + r * step] = dynar_bf16_from_float(VALUE))
+    }
+}
+
+#undef WINO_WEIGHT_TILE
+#undef WINO_WEIGHT_ROW
 #endif

@@ -17,6 +17,7 @@ from _blas cimport gemm
 cdef extern from "panel_gemm.h" nogil:
     enum:
         PANEL_GEMM_PREFERRED
+        PANEL_ROWS
     Py_ssize_t panel_size(Py_ssize_t m, Py_ssize_t k)
     Py_ssize_t panel_count(Py_ssize_t m)
     Py_ssize_t panel_offset(Py_ssize_t i, Py_ssize_t j, Py_ssize_t k)
@@ -36,6 +37,8 @@ cdef extern from "panel_gemm.h" nogil:
                       const double* bias, Py_ssize_t block_bytes)
 
 cdef extern from "panel_gemm_bf16.h" nogil:
+    enum:
+        BF16_PANEL_ROWS
     Py_ssize_t bf16_panel_size(Py_ssize_t m, Py_ssize_t k)
     Py_ssize_t bf16_panel_count(Py_ssize_t m)
     Py_ssize_t bf16_panel_offset(Py_ssize_t i, Py_ssize_t j, Py_ssize_t k)

@@ -32,18 +32,16 @@ cimport numpy as cnp
 
 from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
-from _panels cimport (Weights, bf16_gemm_nt, bf16_panel_offset, bf16_panel_size,
-                      bf16_panel_zero_padding, panel_offset, panel_size, panel_zero_padding_d,
-                      panel_zero_padding_f, times_weights, weights_operand)
+from _panels cimport (BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf16_gemm_nt, bf16_panel_offset,
+                      bf16_panel_size, bf16_panel_zero_padding, panel_offset, panel_size,
+                      panel_zero_padding_d, panel_zero_padding_f, times_weights,
+                      weights_operand)
 from _parallel cimport threads_for
 from _validate cimport F32, check_blas_dim
 
 from dynar.kernels import conv
 
 cnp.import_array()
-
-cdef extern from "bf16.h" nogil:
-    uint16_t dynar_bf16_from_float(float value)
 
 # Tiles per GEMM below which images are batched together, and above which one image is cut
 # into bands of tile rows (so the tile buffers of a large image stay a few MB).
@@ -58,15 +56,6 @@ DEF LANES_MIN = 8
 # The 2-D one applies it down the columns, then along the rows. Each reads its input at
 # stride si and writes its output at stride so. (The tile transforms, B and A, are the row
 # kernels of include/winograd_tiles.h.)
-
-cdef inline void _g(floating* o, const floating* g, int si, int so) noexcept nogil:
-    cdef floating g0 = g[0], g1 = g[si], g2 = g[2 * si]
-    cdef floating even = <floating> 0.5 * (g0 + g2)
-    o[0] = g0
-    o[so] = even + <floating> 0.5 * g1
-    o[2 * so] = even - <floating> 0.5 * g1
-    o[3 * so] = g2
-
 
 cdef inline void _gt(floating* o, const floating* u, int si, int so) noexcept nogil:
     cdef floating u0 = u[0], u1 = u[si], u2 = u[2 * si], u3 = u[3 * si]
@@ -135,24 +124,6 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     return (s.u_size + s.partials_size + s.threads * s.per_thread) * (4 if c.kind == F32 else 8)
 
 
-cdef inline void _transform_weight(floating* u, Py_ssize_t stride, const floating* w,
-                                   bint bf16) noexcept nogil:
-    """u[xi * stride] for the 16 positions xi = G w G^T of one channel pair's w (3, 3);
-    bf16: u is bf16 (float32 only), stride in halves."""
-    cdef floating t[12]
-    cdef floating v[16]
-    cdef int k
-    for k in range(3):
-        _g(t + k, w + k, 3, 3)          # columns: t (4, 3) = G w
-    for k in range(4):
-        _g(v + 4 * k, t + 3 * k, 1, 1)  # rows: v = t G^T
-    for k in range(16):
-        if floating is float and bf16:
-            (<uint16_t*> u)[k * stride] = dynar_bf16_from_float(v[k])
-        else:
-            u[k * stride] = v[k]
-
-
 cdef inline void _add_weight_grad(floating* dw, const floating* partials, Py_ssize_t slot,
                                   Py_ssize_t stride, int threads) noexcept nogil:
     """dw (3, 3) += G^T du G, du[xi] the sum in thread order of partials[t*slot + xi*stride]."""
@@ -192,6 +163,23 @@ cdef inline Py_ssize_t _u_size(const WinogradPlan* s) noexcept nogil:
     return 16 * (a if a > b else b)
 
 
+cdef extern from "winograd_tiles.h" nogil:
+    void wino_weights_f(float* u, Py_ssize_t stride, const float* w, Py_ssize_t w_step,
+                        Py_ssize_t count)
+    void wino_weights_d(double* u, Py_ssize_t stride, const double* w, Py_ssize_t w_step,
+                        Py_ssize_t count)
+    void wino_weights_bf16(uint16_t* u, Py_ssize_t stride, Py_ssize_t step, const float* w,
+                           Py_ssize_t w_step, Py_ssize_t count)
+
+
+cdef inline void _wino_weights(floating* u, Py_ssize_t stride, const floating* w,
+                               Py_ssize_t w_step, Py_ssize_t count) noexcept nogil:
+    if floating is float:
+        wino_weights_f(u, stride, w, w_step, count)
+    else:
+        wino_weights_d(u, stride, w, w_step, count)
+
+
 cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan* s,
                              bint transposed) noexcept nogil:
     """u[xi] = (G w G^T)[xi] for every channel pair of w (C_out, C_in, 3, 3), xi < 16.
@@ -201,7 +189,7 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
     panels), with no packing pass: (C_out, C_in) for the forward's, transposed (C_in, C_out)
     for the input gradient's."""
     cdef const ConvGeometry* g = &s.g
-    cdef Py_ssize_t i, j, co, c, xi
+    cdef Py_ssize_t j, xi
     cdef bint panels = s.panels
     cdef Py_ssize_t stride = _u_stride(s, transposed)
     # Rows of the layout written: input channels for the transposed panels, else outputs.
@@ -219,19 +207,29 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
                 panel_zero_padding_f(u + xi * stride, m, k)
             else:
                 panel_zero_padding_d(u + xi * stride, m, k)
-    # Row by row of the layout: in panel form a thread's writes then fill whole cache
-    # lines; column by column they would land a panel apart (docs/notes/2026-12-02-kernels.md,
+    # Vectorized across a panel's rows (without panels: across a row), each thread writing
+    # whole panels: their cache lines fill in one thread (docs/notes/2026-12-02-kernels.md,
     # "Winograd's weight transform").
-    for i in prange(m, schedule="static", num_threads=s.threads, nogil=True):
+    cdef Py_ssize_t rows = (BF16_PANEL_ROWS if bf16 else PANEL_ROWS) if panels else 1
+    cdef Py_ssize_t w_row = 9 if by_input else g.C * 9     # from one row's kernels to the next
+    cdef Py_ssize_t w_col = g.C * 9 if by_input else 9
+    cdef Py_ssize_t p, i0, count, step
+    for p in prange((m + rows - 1) // rows, schedule="static", num_threads=s.threads,
+                    nogil=True):
+        i0 = p * rows
+        count = m - i0 if m - i0 < rows else rows
+        if not panels:
+            _wino_weights(u + i0 * k, stride, w + i0 * w_row, w_col, k)
+            continue
         for j in range(k):
-            co = j if by_input else i
-            c = i if by_input else j
             if bf16:
-                _transform_weight(<floating*> (<uint16_t*> u + bf16_panel_offset(i, j, k)),
-                                  stride, w + (co * g.C + c) * 9, True)
+                step = bf16_panel_offset(i0 + 1, j, k) - bf16_panel_offset(i0, j, k)
+                wino_weights_bf16(<uint16_t*> u + bf16_panel_offset(i0, j, k), stride, step,
+                                  <const float*> (w + i0 * w_row + j * w_col), w_row, count)
             else:
-                _transform_weight(u + (panel_offset(i, j, k) if panels else i * k + j),
-                                  stride, w + (co * g.C + c) * 9, False)
+                # A panel's rows are adjacent in it.
+                _wino_weights(u + panel_offset(i0, j, k), stride, w + i0 * w_row + j * w_col,
+                              w_row, count)
 
 
 cdef extern from "winograd_tiles.h" nogil:
