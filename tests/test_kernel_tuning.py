@@ -127,6 +127,51 @@ def test_each_layer_gets_the_fastest_measured_and_the_cache_serves_the_next(cach
         assert len(list(cache.glob("*.json"))) == 2
 
 
+class _ScriptedClock:
+    """perf_counter for kernel_tuning: each fake kernel's forward advances it by the next of
+    its scripted durations (the last repeats)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def kernel(self, durations):
+        clock, left = self, list(durations)
+
+        class Scripted:
+            def supports(self, *_):
+                return True
+
+            def forward(self, *_, **__):
+                clock.now += left.pop(0) if len(left) > 1 else left[0]
+
+            def backward(self, *_, **__):
+                pass
+        return Scripted()
+
+
+@pytest.mark.parametrize("prior_times, expected", [
+    # A burst of load through the prior's first 4 calls: the rematch in turns finds it
+    # faster, so it stays.
+    ([10.0] * 4 + [5.0], "prior"),
+    # The other really is faster: the rematch confirms it.
+    ([10.0], "other"),
+])
+def test_a_lead_over_the_thresholds_choice_is_rematched_in_turns(monkeypatch, prior_times,
+                                                                  expected):
+    clock = _ScriptedClock()
+    monkeypatch.setattr(kernel_tuning, "time", clock)
+    monkeypatch.setattr(conv_algorithms, "ALGORITHMS",
+                        {"prior": clock.kernel(prior_times), "other": clock.kernel([8.0])})
+    layer = alexnet().features[3]
+    seconds = kernel_tuning.time_algorithms((2, 64, 8, 8), layer, repeats=3, first="prior")
+    assert kernel_tuning._fastest(seconds, "prior") == expected
+    assert seconds["other"] == 8.0
+    assert seconds["prior"] == min(prior_times)
+
+
 def test_a_bf16_layer_is_timed_apart_on_its_bf16_kernels(cache, monkeypatch):
     """A layer in bf16 runs other kernels than in fp32: its shapes are cached apart and timed
     with bf16 calls on rounded operands."""

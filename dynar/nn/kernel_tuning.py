@@ -4,7 +4,8 @@ of by thresholds measured on another CPU.
 Convolutions: for every distinct layer shape (input, weights, stride, padding, whether the
 layer needs an input gradient, its precision) at the kernels' thread count, each algorithm
 that supports it runs forward + backward a few times on scratch arrays (in bf16, as the
-layer runs them); the fastest is kept. Fully connected layers: each of the three products
+layer runs them); the fastest is kept, but one that would displace the thresholds' choice
+is first timed again in turns with it. Fully connected layers: each of the three products
 (y, dx, dw) is timed cut among threads along each of its two axes in blocks of each width of
 CUT_WIDTHS (nn/linear.py's plan); in bf16 on a CPU with a bf16 GEMM kernel the layer runs
 kernels.bf16.matmul instead, which does not use the cuts. Results are cached in a file per
@@ -137,7 +138,9 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
 
     Bounded for big layers: each candidate's first call (which also grows the workspace,
     released after each candidate) counts as a sample; one more than BUDGET_S behind is not
-    timed again, and one far behind the best so far is left at that."""
+    timed again, and one far behind the best so far is left at that. A leader more than
+    NOISE ahead of `first` is timed again in turns with it, `repeats` rounds, before it
+    counts as ahead."""
     rng = np.random.default_rng(0)
     bf16 = layer.precision == "bf16"     # timed as the layer runs: rounded operands
     x = rng.standard_normal(x_shape, dtype=np.float32)
@@ -151,12 +154,12 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     dx = np.empty_like(x) if layer.input_requires_grad else None
     dw, db = np.zeros_like(w), None if b is None else np.zeros_like(b)
     names = sorted(conv_algorithms.ALGORITHMS, key=lambda name: name != first)
-    seconds = {}
+    seconds, steps = {}, {}
     for name in names:
         kernel = conv_algorithms.ALGORITHMS[name]
         if not kernel.supports(w.shape, layer.stride, layer.padding):
             continue
-        def step():
+        def step(kernel=kernel):
             kernel.forward(y, x, w, b, layer.stride, layer.padding, bf16=bf16)
             kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding, bf16=bf16)
         try:
@@ -164,7 +167,19 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
         finally:
             # A losing candidate's workspace need is not the run's: give it back.
             conv.release_workspace()
-        seconds[name] = best
+        seconds[name], steps[name] = best, step
+    leader = min(seconds, key=seconds.get, default=None)
+    if first in seconds and leader != first and seconds[first] > seconds[leader] * (1 + NOISE):
+        # Each candidate was timed in its own window: on a shared machine a burst of load
+        # in the prior's window hands the lead to another (seen on a noisy Xeon:
+        # docs/notes/2026-12-06-xeon-scalar-passes.md). The two run again in turns, so that
+        # a burst slows both, before the prior is left.
+        try:
+            for _ in range(repeats):
+                for name in (first, leader):
+                    seconds[name] = min(seconds[name], _timed(steps[name]))
+        finally:
+            conv.release_workspace()
     return seconds
 
 
@@ -205,14 +220,18 @@ def time_cuts(x_shape, layer, repeats=REPEATS):
     return seconds
 
 
+def _timed(call):
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def _best_of(call, repeats, rivals):
     """The best of `call`'s times over 1 + `repeats` calls, fewer when it falls far behind
     the best of `rivals` (time_algorithms' bound)."""
     best, calls = math.inf, 0
     while calls <= repeats:
-        start = time.perf_counter()
-        call()
-        best, calls = min(best, time.perf_counter() - start), calls + 1
+        best, calls = min(best, _timed(call)), calls + 1
         leader = min(rivals.values(), default=math.inf)
         if best > 3 * leader or (best > 1.5 * leader and best > BUDGET_S):
             break                           # far behind: no need to be precise
