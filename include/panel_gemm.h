@@ -25,12 +25,7 @@
  * on the stack, which every panel then sweeps: rows of b read in place lie a row stride apart,
  * a cache line or two each, and reading them again for every panel costs 10-25% against
  * reading the strip (docs/notes/2026-12-05-avx2-panel-gemm.md). Columns
- * past the last whole strip are read in place.
- *
- * A weight gradient's product, c += a (m, k) @ b (n, k)^T with both operands new each call
- * (panel_gemm_nt), runs on the same micro-kernel without packing a: its broadcasts read a's
- * rows in place, PANEL_ROWS streams along the depth. b^T is copied into the strips
- * transposed, 16 x 16 blocks at a time in registers where the build has AVX-512. */
+ * past the last whole strip are read in place. */
 #ifndef DYNAR_PANEL_GEMM_H
 #define DYNAR_PANEL_GEMM_H
 #include <stddef.h>
@@ -68,16 +63,6 @@
 #define PANEL_GEMM_PREFERRED 0
 #endif
 
-/* Whether a weight gradient's product (panel_gemm_nt) runs here rather than on BLAS, when
- * the panels are on: with AVX-512, where its transposed strips go through registers and it
- * was measured (docs/notes/2026-12-06-xeon-scalar-passes.md); elsewhere they are copied one
- * element at a time, which has not been measured against BLAS. */
-#if defined(__AVX512F__)
-#define PANEL_GEMM_NT_PREFERRED 1
-#else
-#define PANEL_GEMM_NT_PREFERRED 0
-#endif
-
 #define PANEL_INLINE static inline __attribute__((always_inline))
 
 /* Elements of the packed form of an m x k operand. */
@@ -97,75 +82,6 @@ static inline ptrdiff_t panel_offset(ptrdiff_t i, ptrdiff_t j, ptrdiff_t k)
 {
     return ((i / PANEL_ROWS) * k + j) * PANEL_ROWS + i % PANEL_ROWS;
 }
-
-/* b^T's part in a strip: strip[j * width + col] = b[col * ldb + j], col < cols, j < kd. */
-#define PANEL_TRANSPOSED_STRIP(REAL, SUFFIX)                                                 \
-static void panel_transposed_strip_##SUFFIX(REAL *restrict strip, ptrdiff_t width,           \
-                                            const REAL *restrict b, ptrdiff_t ldb,           \
-                                            ptrdiff_t cols, ptrdiff_t kd)                    \
-{                                                                                            \
-    for (ptrdiff_t col = 0; col < cols; col++)                                               \
-        for (ptrdiff_t j = 0; j < kd; j++)                                                   \
-            strip[j * width + col] = b[col * ldb + j];                                       \
-}
-PANEL_TRANSPOSED_STRIP(double, d)
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* r[i][j] becomes r[j][i]: pairs, then quads within each 128-bit lane, then the lanes
- * themselves across groups of four rows: 64 shuffles for 256 elements, where copying them
- * one at a time takes a load and a store each. */
-static inline void panel_transpose16(__m512 r[16])
-{
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    /* u[4q + e], lane l: column 4l + e of rows 4q .. 4q + 3. */
-    for (int q = 0; q < 16; q += 4)
-        for (int e = 0; e < 2; e++) {
-            const __m512d lo = _mm512_castps_pd(t[q + e]), hi = _mm512_castps_pd(t[q + e + 2]);
-            r[q + 2 * e] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
-            r[q + 2 * e + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
-        }
-    /* Column 4l + e gathers lane l of u[e], u[4 + e], u[8 + e], u[12 + e]. */
-    for (int e = 0; e < 4; e++) {
-        const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x44);
-        const __m512 v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xEE);
-        const __m512 v2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x44);
-        const __m512 v3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xEE);
-        t[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-        t[4 + e] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-        t[8 + e] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-        t[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++)
-        r[i] = t[i];
-}
-
-/* panel_transposed_strip for float, in 16 x 16 blocks (zeros past cols: the strip's width
- * is whole blocks). */
-static void panel_transposed_strip_f(float *restrict strip, ptrdiff_t width,
-                                     const float *restrict b, ptrdiff_t ldb, ptrdiff_t cols,
-                                     ptrdiff_t kd)
-{
-    for (ptrdiff_t c0 = 0; c0 < cols; c0 += 16)
-        for (ptrdiff_t j0 = 0; j0 < kd; j0 += 16) {
-            const ptrdiff_t depth = kd - j0 < 16 ? kd - j0 : 16;
-            const __mmask16 in_depth = (__mmask16) ((1u << depth) - 1);
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = c0 + i < cols ? _mm512_maskz_loadu_ps(in_depth, b + (c0 + i) * ldb + j0)
-                                     : _mm512_setzero_ps();
-            panel_transpose16(r);
-            for (ptrdiff_t j = 0; j < depth; j++)
-                _mm512_storeu_ps(strip + (j0 + j) * width + c0, r[j]);
-        }
-}
-#else
-PANEL_TRANSPOSED_STRIP(float, f)
-#endif
-#undef PANEL_TRANSPOSED_STRIP
 
 #define DYNAR_PANEL_GEMM(REAL, SUFFIX)                                                       \
 typedef REAL panel_vec_##SUFFIX __attribute__((vector_size(PANEL_VECTOR_BYTES)));            \
@@ -204,14 +120,10 @@ static void panel_zero_padding_##SUFFIX(REAL *restrict panels, ptrdiff_t m, ptrd
 }                                                                                            \
                                                                                              \
 /* One block of c: rows [0, rows) of a panel x nv vectors of columns, the last with `tail`   \
- * valid lanes, over depth kd; element (r, j) of the panel at panel[r * a_row + j * a_col]   \
- * (packed: 1, PANEL_ROWS). first: start from bias (or zero), else add to c. rows, nv and   \
- * tail are constants at the full-panel calls (the strides too for packed panels), so those \
- * compile without tests. Rows past `rows` repeat the last one: rows read in place stay in  \
- * a, and their sums are not stored. */                                                      \
+ * valid lanes, over depth kd. first: start from bias (or zero), else add to c. rows, nv     \
+ * and tail are constants at the full-block call, so that case compiles without tests. */   \
 PANEL_INLINE void panel_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                      \
-                                       const REAL *restrict panel, ptrdiff_t a_row,          \
-                                       ptrdiff_t a_col, ptrdiff_t kd,                        \
+                                       const REAL *restrict panel, ptrdiff_t kd,             \
                                        const REAL *restrict b, ptrdiff_t ldb,                \
                                        const REAL *restrict bias, int first, int rows,       \
                                        int nv, int tail)                                     \
@@ -243,10 +155,10 @@ PANEL_INLINE void panel_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,         
                     bv[v][l] = bj[v * LANES + l];                                            \
             }                                                                                \
         }                                                                                    \
-        const REAL *aj = panel + j * a_col;                                                  \
+        const REAL *aj = panel + j * PANEL_ROWS;                                             \
         for (int r = 0; r < PANEL_ROWS; r++)                                                 \
             for (int v = 0; v < nv; v++)                                                     \
-                acc[r][v] += aj[(r < rows ? r : rows - 1) * a_row] * bv[v];                  \
+                acc[r][v] += aj[r] * bv[v];                                                  \
     }                                                                                        \
     for (int r = 0; r < rows; r++)                                                           \
         for (int v = 0; v < nv; v++) {                                                       \
@@ -260,40 +172,35 @@ PANEL_INLINE void panel_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,         
                                                                                              \
 /* A block of nv (1 to PANEL_VECTORS) vectors, nv as a constant. */                          \
 PANEL_INLINE void panel_narrow_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,                \
-                                              const REAL *restrict panel, ptrdiff_t a_row,    \
-                                              ptrdiff_t a_col, ptrdiff_t kd,                  \
+                                              const REAL *restrict panel, ptrdiff_t kd,       \
                                               const REAL *restrict b, ptrdiff_t ldb,          \
                                               const REAL *restrict bias, int first, int rows, \
                                               int nv, int tail)                               \
 {                                                                                            \
     if (nv == 1)                                                                             \
-        panel_block_##SUFFIX(c, ldc, panel, a_row, a_col, kd, b, ldb, bias, first, rows, 1,  \
-                             tail);                                                          \
+        panel_block_##SUFFIX(c, ldc, panel, kd, b, ldb, bias, first, rows, 1, tail);         \
     else if (nv == 2)                                                                        \
-        panel_block_##SUFFIX(c, ldc, panel, a_row, a_col, kd, b, ldb, bias, first, rows, 2,  \
-                             tail);                                                          \
+        panel_block_##SUFFIX(c, ldc, panel, kd, b, ldb, bias, first, rows, 2, tail);         \
     else                                                                                     \
-        panel_block_##SUFFIX(c, ldc, panel, a_row, a_col, kd, b, ldb, bias, first, rows,     \
-                             PANEL_VECTORS, tail);                                           \
+        panel_block_##SUFFIX(c, ldc, panel, kd, b, ldb, bias, first, rows, PANEL_VECTORS,    \
+                             tail);                                                          \
 }                                                                                            \
                                                                                              \
-/* c (m, n) = a (m, k) @ op(b) [+ bias (m,) on every column], or c += a @ op(b) when add     \
- * (bias unread), row-major. a: packed by panel_pack when lda is 0, else rows lda apart read \
- * in place. op(b): b (k, n), or b^T for b (n, k) with the depth contiguous when             \
- * b_transposed. A panel's part of one pass over c fills at most block_bytes. */             \
-static void panel_product_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *restrict a,  \
-                                   ptrdiff_t lda, ptrdiff_t m, ptrdiff_t k,                  \
-                                   const REAL *restrict b, ptrdiff_t ldb, int b_transposed,  \
-                                   ptrdiff_t n, const REAL *restrict bias,                   \
-                                   ptrdiff_t block_bytes, int add)                           \
+/* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], row-major; a packed by      \
+ * panel_pack; a panel's part of one pass over c fills at most block_bytes. k == 0 leaves    \
+ * c = bias (or zero). */                                                                    \
+static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *restrict panels, \
+                                ptrdiff_t m, ptrdiff_t k, const REAL *restrict b,            \
+                                ptrdiff_t ldb, ptrdiff_t n, const REAL *restrict bias,       \
+                                ptrdiff_t block_bytes)                                       \
 {                                                                                            \
     if (k == 0) {                                                                            \
-        for (ptrdiff_t i = 0; i < m && !add; i++)                                            \
+        for (ptrdiff_t i = 0; i < m; i++)                                                    \
             for (ptrdiff_t j = 0; j < n; j++)                                                \
                 c[i * ldc + j] = bias ? bias[i] : (REAL)0;                                   \
         return;                                                                              \
     }                                                                                        \
-    enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL), WIDTH = PANEL_VECTORS * LANES };       \
+    enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL), WIDTH = PANEL_VECTORS * LANES };      \
     typedef panel_mem_##SUFFIX mem;                                                          \
     ptrdiff_t max_depth = block_bytes / (ptrdiff_t) (PANEL_ROWS * sizeof(REAL));             \
     if (max_depth > PANEL_STRIP_BYTES / (ptrdiff_t) (WIDTH * sizeof(REAL)))                  \
@@ -306,20 +213,13 @@ static void panel_product_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *
     const ptrdiff_t tail_columns = n % WIDTH;                                                \
     const int tail_vectors = (int) ((tail_columns + LANES - 1) / LANES);                     \
     const int tail_lanes = (int) (tail_columns - (tail_vectors - 1) * LANES);                \
-    const ptrdiff_t a_row = lda ? lda : 1, a_col = lda ? 1 : PANEL_ROWS;                     \
     for (ptrdiff_t k0 = 0; k0 < k; k0 += depth) {                                            \
         const ptrdiff_t kd = k - k0 < depth ? k - k0 : depth;                                \
-        const int first = k0 == 0 && !add;                                                   \
         for (ptrdiff_t j0 = 0; j0 < n; j0 += WIDTH) {                                        \
             const int whole = n - j0 >= WIDTH;                                               \
             const REAL *bs = b + k0 * ldb + j0;                                              \
             ptrdiff_t lds = ldb;                                                             \
-            if (b_transposed) {                                                              \
-                panel_transposed_strip_##SUFFIX(strip, WIDTH, b + j0 * ldb + k0, ldb,        \
-                                                whole ? WIDTH : tail_columns, kd);           \
-                bs = strip;                                                                  \
-                lds = WIDTH;                                                                 \
-            } else if (whole) {                                                              \
+            if (whole) {                                                                     \
                 for (ptrdiff_t j = 0; j < kd; j++)                                           \
                     for (int v = 0; v < PANEL_VECTORS; v++)                                  \
                         *(mem *)(strip + j * WIDTH + v * LANES) =                            \
@@ -330,45 +230,21 @@ static void panel_product_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *
             for (ptrdiff_t p = 0; p < panel_count(m); p++) {                                 \
                 const ptrdiff_t i0 = p * PANEL_ROWS;                                         \
                 const int rows = m - i0 < PANEL_ROWS ? (int) (m - i0) : PANEL_ROWS;          \
-                const REAL *panel = lda ? a + i0 * lda + k0 : a + (p * k + k0) * PANEL_ROWS; \
+                const REAL *panel = panels + (p * k + k0) * PANEL_ROWS;                      \
                 REAL *cb = c + i0 * ldc + j0;                                                \
                 const REAL *pbias = bias ? bias + i0 : NULL;                                 \
-                if (!lda && whole && rows == PANEL_ROWS)                                     \
-                    panel_block_##SUFFIX(cb, ldc, panel, 1, PANEL_ROWS, kd, bs, lds, pbias,  \
-                                         first, PANEL_ROWS, PANEL_VECTORS, LANES);           \
-                else if (whole && rows == PANEL_ROWS)                                        \
-                    panel_block_##SUFFIX(cb, ldc, panel, lda, 1, kd, bs, lds, pbias, first,  \
+                if (whole && rows == PANEL_ROWS)                                             \
+                    panel_block_##SUFFIX(cb, ldc, panel, kd, bs, lds, pbias, k0 == 0,        \
                                          PANEL_ROWS, PANEL_VECTORS, LANES);                  \
                 else if (whole)                                                              \
-                    panel_block_##SUFFIX(cb, ldc, panel, a_row, a_col, kd, bs, lds, pbias,   \
-                                         first, rows, PANEL_VECTORS, LANES);                 \
+                    panel_block_##SUFFIX(cb, ldc, panel, kd, bs, lds, pbias, k0 == 0,        \
+                                         rows, PANEL_VECTORS, LANES);                        \
                 else                                                                         \
-                    panel_narrow_block_##SUFFIX(cb, ldc, panel, a_row, a_col, kd, bs, lds,   \
-                                                pbias, first, rows, tail_vectors,            \
-                                                tail_lanes);                                 \
+                    panel_narrow_block_##SUFFIX(cb, ldc, panel, kd, bs, lds, pbias, k0 == 0, \
+                                                rows, tail_vectors, tail_lanes);             \
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
-}                                                                                            \
-                                                                                             \
-/* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], row-major; a packed by      \
- * panel_pack. k == 0 leaves c = bias (or zero). */                                          \
-static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *restrict panels,\
-                                ptrdiff_t m, ptrdiff_t k, const REAL *restrict b,            \
-                                ptrdiff_t ldb, ptrdiff_t n, const REAL *restrict bias,       \
-                                ptrdiff_t block_bytes)                                       \
-{                                                                                            \
-    panel_product_##SUFFIX(c, ldc, panels, 0, m, k, b, ldb, 0, n, bias, block_bytes, 0);     \
-}                                                                                            \
-                                                                                             \
-/* c (m, n) += a (m, k) @ b (n, k)^T, or = when !add: a weight gradient's product, both      \
- * operands row-major with the depth contiguous and new each call, neither packed. */        \
-static void panel_gemm_nt_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *restrict a,  \
-                                   ptrdiff_t lda, ptrdiff_t m, const REAL *restrict b,       \
-                                   ptrdiff_t ldb, ptrdiff_t n, ptrdiff_t k,                  \
-                                   ptrdiff_t block_bytes, int add)                           \
-{                                                                                            \
-    panel_product_##SUFFIX(c, ldc, a, lda, m, k, b, ldb, 1, n, NULL, block_bytes, add);      \
 }
 
 DYNAR_PANEL_GEMM(float, f)

@@ -17,7 +17,6 @@ from _blas cimport gemm
 cdef extern from "panel_gemm.h" nogil:
     enum:
         PANEL_GEMM_PREFERRED
-        PANEL_GEMM_NT_PREFERRED
         PANEL_ROWS
     Py_ssize_t panel_size(Py_ssize_t m, Py_ssize_t k)
     Py_ssize_t panel_count(Py_ssize_t m)
@@ -36,12 +35,6 @@ cdef extern from "panel_gemm.h" nogil:
     void panel_gemm_d(double* c, Py_ssize_t ldc, const double* panels, Py_ssize_t m,
                       Py_ssize_t k, const double* b, Py_ssize_t ldb, Py_ssize_t n,
                       const double* bias, Py_ssize_t block_bytes)
-    void panel_gemm_nt_f(float* c, Py_ssize_t ldc, const float* a, Py_ssize_t lda,
-                         Py_ssize_t m, const float* b, Py_ssize_t ldb, Py_ssize_t n,
-                         Py_ssize_t k, Py_ssize_t block_bytes, bint add)
-    void panel_gemm_nt_d(double* c, Py_ssize_t ldc, const double* a, Py_ssize_t lda,
-                         Py_ssize_t m, const double* b, Py_ssize_t ldb, Py_ssize_t n,
-                         Py_ssize_t k, Py_ssize_t block_bytes, bint add)
 
 cdef extern from "panel_gemm_bf16.h" nogil:
     enum:
@@ -131,26 +124,3 @@ cdef inline void times_weights(floating* c, Py_ssize_t ldc, const Weights* a,
                 c[i * ldc + j] = bias[i]
     gemm(a.transposed, False, <int> a.m, <int> n, <int> a.k, <floating> 1, w,
          <int> (a.m if a.transposed else a.k), b, <int> ldb, beta, c, <int> ldc)
-
-
-cdef inline void times_transposed(floating* c, Py_ssize_t ldc, const floating* a,
-                                  Py_ssize_t lda, Py_ssize_t m, const floating* b,
-                                  Py_ssize_t ldb, Py_ssize_t n, Py_ssize_t k,
-                                  Py_ssize_t block_bytes, int bf16, void* work,
-                                  bint add) noexcept nogil:
-    """c (m, n) += a (m, k) @ b (n, k)^T, or = when not add, on the calling thread: a weight
-    gradient's product, both operands new each call, row-major with the depth contiguous.
-    On the panel GEMM when block_bytes (the plan's panel_block) is not 0 and the build
-    prefers it (PANEL_GEMM_NT_PREFERRED), else on BLAS; in bf16 (bf16: the call's kernel) a
-    is packed into `work` as it is rounded."""
-    if floating is float and bf16:
-        bf16_gemm_nt(bf16, c, ldc, a, lda, m, b, ldb, n, k, <uint16_t*> work, block_bytes,
-                     add)
-    elif block_bytes and PANEL_GEMM_NT_PREFERRED:
-        if floating is float:
-            panel_gemm_nt_f(c, ldc, a, lda, m, b, ldb, n, k, block_bytes, add)
-        else:
-            panel_gemm_nt_d(c, ldc, a, lda, m, b, ldb, n, k, block_bytes, add)
-    else:
-        gemm(False, True, <int> m, <int> n, <int> k, <floating> 1, a, <int> lda, b,
-             <int> ldb, <floating> (1 if add else 0), c, <int> ldc)

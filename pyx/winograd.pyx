@@ -30,10 +30,12 @@ from libc.stdint cimport uint16_t
 from libc.string cimport memcpy, memset
 cimport numpy as cnp
 
+from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
-from _panels cimport (BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf16_panel_offset, bf16_panel_size,
-                      bf16_panel_zero_padding, panel_offset, panel_size, panel_zero_padding_d,
-                      panel_zero_padding_f, times_transposed, times_weights, weights_operand)
+from _panels cimport (BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf16_gemm_nt, bf16_panel_offset,
+                      bf16_panel_size, bf16_panel_zero_padding, panel_offset, panel_size,
+                      panel_zero_padding_d, panel_zero_padding_f, times_weights,
+                      weights_operand)
 from _parallel cimport threads_for
 from _validate cimport F32, check_blas_dim
 
@@ -587,9 +589,14 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 beta = started[threadid()]
                 started[threadid()] = 1
                 for xi in range(16):
-                    times_transposed(du + xi * g.Co * g.C, g.C, dm + xi * g.Co * ld, ld, g.Co,
-                                     v + xi * g.C * ld, ld, g.C, ld, s.panels, s.bf16, packed,
-                                     beta != 0)
+                    if floating is float and s.bf16:
+                        bf16_gemm_nt(s.bf16, du + xi * g.Co * g.C, g.C,
+                                     dm + xi * g.Co * ld, ld, g.Co, v + xi * g.C * ld, ld,
+                                     g.C, ld, <uint16_t*> packed, s.panels, beta != 0)
+                    else:
+                        gemm(False, True, <int> g.Co, <int> g.C, <int> ld, <floating> 1,
+                             dm + xi * g.Co * ld, <int> ld, v + xi * g.C * ld, <int> ld,
+                             beta, du + xi * g.Co * g.C, <int> g.C)
                     if dx != NULL:
                         # dV overwrites V: this position's weight-gradient GEMM consumed it.
                         a = weights_operand(g.Co, g.C, True,
