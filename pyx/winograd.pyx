@@ -52,10 +52,10 @@ DEF MAX_TILES = 1024
 DEF LANES_MIN = 8
 
 
-# ---- The weight transform, 1-D: G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1] and its transpose.
-# The 2-D one applies it down the columns, then along the rows. Each reads its input at
-# stride si and writes its output at stride so. (The tile transforms, B and A, are the row
-# kernels of include/winograd_tiles.h.)
+# ---- The weight gradient's transform, 1-D: G^T, G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1].
+# The 2-D one applies it down the columns, then along the rows; it reads its input at stride
+# si and writes its output at stride so. (G w G^T itself, vectorized across kernels, and the
+# tile transforms B and A are in include/winograd_tiles.h.)
 
 cdef inline void _gt(floating* o, const floating* u, int si, int so) noexcept nogil:
     cdef floating u0 = u[0], u1 = u[si], u2 = u[2 * si], u3 = u[3 * si]
@@ -213,7 +213,9 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
     cdef Py_ssize_t rows = (BF16_PANEL_ROWS if bf16 else PANEL_ROWS) if panels else 1
     cdef Py_ssize_t w_row = 9 if by_input else g.C * 9     # from one row's kernels to the next
     cdef Py_ssize_t w_col = g.C * 9 if by_input else 9
-    cdef Py_ssize_t p, i0, count, step
+    cdef Py_ssize_t p, i0, count
+    # Within a bf16 panel, rows lie a block row apart (include/panel_gemm_bf16.h).
+    cdef Py_ssize_t bf16_step = bf16_panel_offset(1, 0, k) - bf16_panel_offset(0, 0, k)
     for p in prange((m + rows - 1) // rows, schedule="static", num_threads=s.threads,
                     nogil=True):
         i0 = p * rows
@@ -223,9 +225,9 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
             continue
         for j in range(k):
             if bf16:
-                step = bf16_panel_offset(i0 + 1, j, k) - bf16_panel_offset(i0, j, k)
-                wino_weights_bf16(<uint16_t*> u + bf16_panel_offset(i0, j, k), stride, step,
-                                  <const float*> (w + i0 * w_row + j * w_col), w_row, count)
+                wino_weights_bf16(<uint16_t*> u + bf16_panel_offset(i0, j, k), stride,
+                                  bf16_step, <const float*> (w + i0 * w_row + j * w_col),
+                                  w_row, count)
             else:
                 # A panel's rows are adjacent in it.
                 _wino_weights(u + panel_offset(i0, j, k), stride, w + i0 * w_row + j * w_col,
