@@ -17,7 +17,7 @@
  *   weights G w G^T,  G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
  *   input   B^T d B,  B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]
  *   output  A^T m A,  A^T = [1 1 1 0; 0 1 -1 -1]
- * and, for backward, their adjoints A g A^T and B v B^T.
+ * and, for backward, their adjoints A g A^T and B v B^T, and G^T du G for the weights.
  */
 #ifndef DYNAR_WINOGRAD_TILES_H
 #define DYNAR_WINOGRAD_TILES_H
@@ -49,6 +49,15 @@
         WINO_WEIGHT_ROW(REAL, 3, g_[6], g_[7], g_[8], STORE)                                 \
     }
 
+/* The weight gradient's 1-D transform G^T (3 from 4): O0..O2 = G^T (U0..U3). Needs h. */
+#define WINO_GT(REAL, O0, O1, O2, U0, U1, U2, U3)                                            \
+    {                                                                                        \
+        REAL half_sum_ = h * ((U1) + (U2));                                                  \
+        O0 = (U0) + half_sum_;                                                               \
+        O1 = h * ((U1) - (U2));                                                              \
+        O2 = half_sum_ + (U3);                                                               \
+    }
+
 #define DYNAR_WINOGRAD_TILES(REAL, SUFFIX)                                                   \
 /* The weight transform of `count` channel pairs, vectorized across them: pair r's kernel    \
  * g at w + r * w_step, (G g G^T)[xi] at u[xi * stride + r]. */                              \
@@ -60,6 +69,39 @@ static inline void wino_weights_##SUFFIX(                                       
     _Pragma("omp simd")                                                                      \
     for (ptrdiff_t r = 0; r < count; r++) {                                                  \
         WINO_WEIGHT_TILE(REAL, w + r * w_step, u[(XI) * stride + r] = (VALUE))               \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* dw += G^T du G for `count` channel pairs, vectorized across them: pair r's du[xi] is the  \
+ * sum, in thread order, of partials[t * slot + xi * stride + r] (t < threads), gathered    \
+ * into thread 0's partials; its 3x3 gradient at dw + 9 r. The same sums in the same order   \
+ * for any count: deterministic. */                                                          \
+static inline void wino_weight_grads_##SUFFIX(                                               \
+        REAL *restrict dw, REAL *restrict partials, ptrdiff_t slot, ptrdiff_t stride,        \
+        int threads, ptrdiff_t count)                                                        \
+{                                                                                            \
+    const REAL h = (REAL) 0.5;                                                               \
+    for (int i = 1; i < threads; i++)                                                        \
+        for (int xi = 0; xi < 16; xi++) {                                                    \
+            REAL *restrict sum = partials + xi * stride;                                     \
+            const REAL *restrict part = partials + i * slot + xi * stride;                   \
+            _Pragma("omp simd")                                                              \
+            for (ptrdiff_t r = 0; r < count; r++)                                            \
+                sum[r] += part[r];                                                           \
+        }                                                                                    \
+    _Pragma("omp simd")                                                                      \
+    for (ptrdiff_t r = 0; r < count; r++) {                                                  \
+        const REAL *du = partials + r;                                                       \
+        REAL t[12], g0, g1, g2;                                                              \
+        for (int k = 0; k < 4; k++)    /* down the columns: t (3, 4) = G^T du */             \
+            WINO_GT(REAL, t[k], t[4 + k], t[8 + k], du[k * stride], du[(4 + k) * stride],    \
+                    du[(8 + k) * stride], du[(12 + k) * stride])                             \
+        for (int k = 0; k < 3; k++) {  /* along the rows */                                  \
+            WINO_GT(REAL, g0, g1, g2, t[4 * k], t[4 * k + 1], t[4 * k + 2], t[4 * k + 3])    \
+            dw[9 * r + 3 * k] += g0;                                                         \
+            dw[9 * r + 3 * k + 1] += g1;                                                     \
+            dw[9 * r + 3 * k + 2] += g2;                                                     \
+        }                                                                                    \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
@@ -322,19 +364,22 @@ DYNAR_WINOGRAD_TILES(float, f)
 DYNAR_WINOGRAD_TILES(double, d)
 #undef DYNAR_WINOGRAD_TILES
 
-/* wino_weights_f into bf16 panels, each value rounded as include/bf16.h rounds; pair r's
- * values at r * step halves from u's (within a bf16 panel, rows are a block row apart). */
-static inline void wino_weights_bf16(uint16_t *restrict u, ptrdiff_t stride, ptrdiff_t step,
+/* wino_weights_f rounded to bf16 as include/bf16.h rounds. Called along a bf16 panel's
+ * depth, where a row's halves are adjacent within a block (include/panel_gemm_bf16.h): the
+ * stores fill whole cache lines, which across its rows (2-byte stores 64 bytes apart) they
+ * did not. */
+static inline void wino_weights_bf16(uint16_t *restrict u, ptrdiff_t stride,
                                      const float *restrict w, ptrdiff_t w_step, ptrdiff_t count)
 {
     const float h = 0.5f;
     _Pragma("omp simd")
     for (ptrdiff_t r = 0; r < count; r++) {
         WINO_WEIGHT_TILE(float, w + r * w_step,
-                         u[(XI) * stride + r * step] = dynar_bf16_from_float(VALUE))
+                         u[(XI) * stride + r] = dynar_bf16_from_float(VALUE))
     }
 }
 
+#undef WINO_GT
 #undef WINO_WEIGHT_TILE
 #undef WINO_WEIGHT_ROW
 #endif

@@ -39,6 +39,7 @@ cdef extern from "panel_gemm.h" nogil:
 cdef extern from "panel_gemm_bf16.h" nogil:
     enum:
         BF16_PANEL_ROWS
+        BF16_BLOCK_PAIRS   # pairs of depth in a block, a row's halves adjacent within it
     Py_ssize_t bf16_panel_size(Py_ssize_t m, Py_ssize_t k)
     Py_ssize_t bf16_panel_count(Py_ssize_t m)
     Py_ssize_t bf16_panel_offset(Py_ssize_t i, Py_ssize_t j, Py_ssize_t k)

@@ -32,7 +32,7 @@ cimport numpy as cnp
 
 from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
-from _panels cimport (BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf16_gemm_nt, bf16_panel_offset,
+from _panels cimport (BF16_BLOCK_PAIRS, BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf16_gemm_nt, bf16_panel_offset,
                       bf16_panel_size, bf16_panel_zero_padding, panel_offset, panel_size,
                       panel_zero_padding_d, panel_zero_padding_f, times_weights,
                       weights_operand)
@@ -50,19 +50,6 @@ DEF MAX_TILES = 1024
 # Images per chunk from which the tile transforms run across the images (lane kernels)
 # rather than along a row of tiles, which is then 4 tiles or fewer.
 DEF LANES_MIN = 8
-
-
-# ---- The weight gradient's transform, 1-D: G^T, G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1].
-# The 2-D one applies it down the columns, then along the rows; it reads its input at stride
-# si and writes its output at stride so. (G w G^T itself, vectorized across kernels, and the
-# tile transforms B and A are in include/winograd_tiles.h.)
-
-cdef inline void _gt(floating* o, const floating* u, int si, int so) noexcept nogil:
-    cdef floating u0 = u[0], u1 = u[si], u2 = u[2 * si], u3 = u[3 * si]
-    cdef floating half_sum = <floating> 0.5 * (u1 + u2)
-    o[0] = u0 + half_sum
-    o[so] = <floating> 0.5 * (u1 - u2)
-    o[2 * so] = half_sum + u3
 
 
 cdef struct WinogradPlan:
@@ -124,27 +111,6 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     return (s.u_size + s.partials_size + s.threads * s.per_thread) * (4 if c.kind == F32 else 8)
 
 
-cdef inline void _add_weight_grad(floating* dw, const floating* partials, Py_ssize_t slot,
-                                  Py_ssize_t stride, int threads) noexcept nogil:
-    """dw (3, 3) += G^T du G, du[xi] the sum in thread order of partials[t*slot + xi*stride]."""
-    cdef floating du[16]
-    cdef floating t[12]
-    cdef floating dg[9]
-    cdef floating acc
-    cdef int k, i
-    for k in range(16):
-        acc = 0
-        for i in range(threads):
-            acc = acc + partials[i * slot + k * stride]
-        du[k] = acc
-    for k in range(4):
-        _gt(t + k, du + k, 4, 4)        # columns: t (3, 4) = G^T du
-    for k in range(3):
-        _gt(dg + 3 * k, t + 4 * k, 1, 1)
-    for k in range(9):
-        dw[k] += dg[k]
-
-
 cdef inline Py_ssize_t _u_stride(const WinogradPlan* s, bint transposed) noexcept nogil:
     """Elements from u[xi] to u[xi + 1] (see _transform_weights); for bf16 panels, the
     floats their halves fill."""
@@ -168,7 +134,11 @@ cdef extern from "winograd_tiles.h" nogil:
                         Py_ssize_t count)
     void wino_weights_d(double* u, Py_ssize_t stride, const double* w, Py_ssize_t w_step,
                         Py_ssize_t count)
-    void wino_weights_bf16(uint16_t* u, Py_ssize_t stride, Py_ssize_t step, const float* w,
+    void wino_weight_grads_f(float* dw, float* partials, Py_ssize_t slot,
+                             Py_ssize_t stride, int threads, Py_ssize_t count)
+    void wino_weight_grads_d(double* dw, double* partials, Py_ssize_t slot,
+                             Py_ssize_t stride, int threads, Py_ssize_t count)
+    void wino_weights_bf16(uint16_t* u, Py_ssize_t stride, const float* w,
                            Py_ssize_t w_step, Py_ssize_t count)
 
 
@@ -207,28 +177,31 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
                 panel_zero_padding_f(u + xi * stride, m, k)
             else:
                 panel_zero_padding_d(u + xi * stride, m, k)
-    # Vectorized across a panel's rows (without panels: across a row), each thread writing
-    # whole panels: their cache lines fill in one thread (docs/notes/2026-12-02-kernels.md,
-    # "Winograd's weight transform").
+    # Vectorized across a panel's rows (without panels: across a row; bf16 panels: along a
+    # row's depth block, where its halves are adjacent), each thread writing whole panels:
+    # their cache lines fill in one thread (docs/notes/2026-12-02-kernels.md, "Winograd's
+    # weight transform").
     cdef Py_ssize_t rows = (BF16_PANEL_ROWS if bf16 else PANEL_ROWS) if panels else 1
     cdef Py_ssize_t w_row = 9 if by_input else g.C * 9     # from one row's kernels to the next
     cdef Py_ssize_t w_col = g.C * 9 if by_input else 9
-    cdef Py_ssize_t p, i0, count
-    # Within a bf16 panel, rows lie a block row apart (include/panel_gemm_bf16.h).
-    cdef Py_ssize_t bf16_step = bf16_panel_offset(1, 0, k) - bf16_panel_offset(0, 0, k)
+    cdef Py_ssize_t p, i0, i, count
+    cdef Py_ssize_t block = 2 * BF16_BLOCK_PAIRS   # halves of a row adjacent in a bf16 panel
     for p in prange((m + rows - 1) // rows, schedule="static", num_threads=s.threads,
                     nogil=True):
         i0 = p * rows
         count = m - i0 if m - i0 < rows else rows
         if not panels:
             _wino_weights(u + i0 * k, stride, w + i0 * w_row, w_col, k)
-            continue
-        for j in range(k):
-            if bf16:
-                wino_weights_bf16(<uint16_t*> u + bf16_panel_offset(i0, j, k), stride,
-                                  bf16_step, <const float*> (w + i0 * w_row + j * w_col),
-                                  w_row, count)
-            else:
+        elif bf16:
+            for i in range(i0, i0 + count):
+                j = 0
+                while j < k:
+                    wino_weights_bf16(<uint16_t*> u + bf16_panel_offset(i, j, k), stride,
+                                      <const float*> (w + i * w_row + j * w_col), w_col,
+                                      min(k - j, block))
+                    j = j + block
+        else:
+            for j in range(k):
                 # A panel's rows are adjacent in it.
                 _wino_weights(u + panel_offset(i0, j, k), stride, w + i0 * w_row + j * w_col,
                               w_row, count)
@@ -612,9 +585,12 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 ty0 = ty1
     # dw += G^T (sum of the threads' partials, in thread order) G, parallel over C_out.
     for co in prange(g.Co, schedule="static", num_threads=threads, nogil=True):
-        for c in range(g.C):
-            _add_weight_grad(dw + (co * g.C + c) * 9, partials + co * g.C + c, slot,
-                             g.Co * g.C, threads)
+        if floating is float:
+            wino_weight_grads_f(dw + co * g.C * 9, partials + co * g.C, slot, g.Co * g.C,
+                                threads, g.C)
+        else:
+            wino_weight_grads_d(dw + co * g.C * 9, partials + co * g.C, slot, g.Co * g.C,
+                                threads, g.C)
     if db != NULL:
         for co in prange(g.Co, schedule="static", num_threads=threads, nogil=True):
             bias_acc = 0
