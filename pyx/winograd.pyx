@@ -32,10 +32,10 @@ cimport numpy as cnp
 
 from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
-from _panels cimport (BF16_BLOCK_PAIRS, BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf16_gemm_nt, bf16_panel_offset,
-                      bf16_panel_size, bf16_panel_zero_padding, panel_offset, panel_size,
-                      panel_zero_padding_d, panel_zero_padding_f, times_weights,
-                      weights_operand)
+from _panels cimport (BF16_BLOCK_PAIRS, BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf16_gemm_nt,
+                      bf16_panel_offset, bf16_panel_size, bf16_panel_zero_padding,
+                      panel_offset, panel_size, panel_zero_padding_d, panel_zero_padding_f,
+                      times_weights, weights_operand)
 from _parallel cimport threads_for
 from _validate cimport F32, check_blas_dim
 
