@@ -179,8 +179,8 @@ cdef void _transform_weights(floating* u, const floating* w, const WinogradPlan*
                 panel_zero_padding_d(u + xi * stride, m, k)
     # Vectorized across a panel's rows (without panels: across a row; bf16 panels: along a
     # row's depth block, where its halves are adjacent), each thread writing whole panels:
-    # their cache lines fill in one thread (docs/notes/2026-12-02-kernels.md, "Winograd's
-    # weight transform").
+    # their cache lines fill in one thread
+    # (docs/notes/2026-12-02-kernels.md, "Winograd's weight transform").
     cdef Py_ssize_t rows = (BF16_PANEL_ROWS if bf16 else PANEL_ROWS) if panels else 1
     cdef Py_ssize_t w_row = 9 if by_input else g.C * 9     # from one row's kernels to the next
     cdef Py_ssize_t w_col = g.C * 9 if by_input else 9
