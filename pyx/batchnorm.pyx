@@ -28,6 +28,7 @@ from cython.parallel cimport prange
 from libc.math cimport sqrt
 cimport numpy as cnp
 
+from _lane_sums cimport LANES, lanes_total, runs_sum
 from _parallel cimport threads_for
 from _validate cimport check_real, F32, F64, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
 
@@ -39,39 +40,7 @@ cdef struct GradientSums:
     double dy_xc     # sum(dy (x - mean)); times invstd it is sum(dy xhat)
 
 
-cdef enum:
-    # Each channel's sums run in LANES independent partial sums, element i of a run of HW
-    # values into lane i % LANES: one running double sum waits on its last add and keeps
-    # the core at a fraction of its add rate. The lanes fix the order, whatever the threads.
-    LANES = 16
-
-
-cdef inline double _lanes_total(double* acc) noexcept nogil:
-    """The lanes' sum, pairwise in a fixed order (acc is used up)."""
-    cdef Py_ssize_t l, width = LANES
-    while width > 1:
-        width //= 2
-        for l in range(width):
-            acc[l] = acc[l] + acc[l + width]
-    return acc[0]
-
-
-cdef inline double _channel_sum(const floating* x, Py_ssize_t c, Py_ssize_t N, Py_ssize_t C,
-                                Py_ssize_t HW) noexcept nogil:
-    cdef double acc[LANES]
-    cdef const floating* xc
-    cdef Py_ssize_t n, i, l, whole = HW - HW % LANES
-    for l in range(LANES):
-        acc[l] = 0
-    for n in range(N):
-        xc = x + (n * C + c) * HW
-        for i in range(whole // LANES):
-            for l in range(LANES):
-                acc[l] = acc[l] + xc[i * LANES + l]
-        for l in range(HW - whole):
-            acc[l] = acc[l] + xc[whole + l]
-    return _lanes_total(acc)
-
+# Sums in lanes (_lane_sums.pxd) whose summands are not the values themselves.
 
 cdef inline double _channel_squared_deviations(const floating* x, double mu, Py_ssize_t c,
                                                Py_ssize_t N, Py_ssize_t C,
@@ -91,7 +60,7 @@ cdef inline double _channel_squared_deviations(const floating* x, double mu, Py_
         for l in range(HW - whole):
             dev = xc[whole + l] - mu
             acc[l] = acc[l] + dev * dev
-    return _lanes_total(acc)
+    return lanes_total(acc)
 
 
 cdef inline void _channel_batch_statistics(floating* mean, floating* invstd,
@@ -136,7 +105,7 @@ cdef void _forward(floating* y, floating* mean, floating* invstd, floating* runn
     # others, and each of its sums stays in one thread (and its values in cache).
     for c in prange(C, schedule="static", num_threads=threads_for(C)):
         if training:
-            mu = _channel_sum(x, c, N, C, HW) / m
+            mu = runs_sum(x + c * HW, N, C * HW, HW) / m
             var = _channel_squared_deviations(x, mu, c, N, C, HW) / m
             _channel_batch_statistics(mean, invstd, running_mean, running_var, mu, var, m,
                                       momentum, eps, c)
@@ -153,7 +122,7 @@ cdef void _shard_sums(double* sums, double* squares, const floating* x, Py_ssize
     cdef Py_ssize_t m = N * HW
     cdef Py_ssize_t c
     for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        sums[c] = _channel_sum(x, c, N, C, HW)
+        sums[c] = runs_sum(x + c * HW, N, C * HW, HW)
         squares[c] = _channel_squared_deviations(x, sums[c] / m, c, N, C, HW)
 
 
@@ -194,8 +163,8 @@ cdef inline GradientSums _channel_gradient_sums(const floating* dy, const floati
         for l in range(HW - whole):
             acc_dy[l] = acc_dy[l] + dyc[whole + l]
             acc_dy_xc[l] = acc_dy_xc[l] + dyc[whole + l] * <double> (xc[whole + l] - mu_c)
-    s.dy = _lanes_total(acc_dy)
-    s.dy_xc = _lanes_total(acc_dy_xc)
+    s.dy = lanes_total(acc_dy)
+    s.dy_xc = lanes_total(acc_dy_xc)
     return s
 
 

@@ -33,6 +33,7 @@ from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
 from _panels cimport (Weights, bf16_gemm_nt, bf16_panel_size, pack_panel, panel_size,
                       panels_to_pack, times_weights, weights_operand)
+from _lane_sums cimport runs_sum
 from _parallel cimport threads_for
 from _tap_range cimport tap_end_valid, tap_first_valid
 from _validate cimport F32, check_blas_dim
@@ -323,13 +324,9 @@ cdef inline void _weight_gradient(floating* dwt, const floating* col, Py_ssize_t
 cdef inline void _bias_gradient(floating* db, const floating* dy, Py_ssize_t ld_dy,
                                 Py_ssize_t cols, Py_ssize_t Co) noexcept nogil:
     """db (C_out,) += the row sums of dy (C_out, cols)."""
-    cdef Py_ssize_t co, p
-    cdef floating acc
+    cdef Py_ssize_t co
     for co in range(Co):
-        acc = 0
-        for p in range(cols):
-            acc = acc + dy[co * ld_dy + p]
-        db[co] += acc
+        db[co] += <floating> runs_sum(dy + co * ld_dy, 1, 0, cols)
 
 
 cdef inline void _input_gradient(floating* dx, floating* col, const Weights* a,

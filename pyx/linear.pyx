@@ -21,6 +21,7 @@ from libc.string cimport memcpy
 cimport numpy as cnp
 
 from _blas cimport gemm
+from _lane_sums cimport runs_sum
 from _parallel cimport threads_for
 from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_float, check_shape,
                         data, float_kind)
@@ -79,8 +80,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     int dw_axis, Py_ssize_t dw_width) noexcept nogil:
     """dx: (N, In) or NULL; dw: (Out, In); db: (Out,) or NULL; dy: (N, Out); x: (N, In);
     w: (Out, In)."""
-    cdef Py_ssize_t blocks, blk, o0, o1, o, n
-    cdef floating acc
+    cdef Py_ssize_t blocks, blk, o0, o1, o
     if dx != NULL:
         _cut_gemm(dx_axis, dx_width, False, False, N, In, Out, dy, Out, w, In,
                   <floating> 0, dx, In)
@@ -93,10 +93,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         o0 = blk * DB_BLOCK
         o1 = o0 + DB_BLOCK if o0 + DB_BLOCK <= Out else Out
         for o in range(o0, o1):
-            acc = 0
-            for n in range(N):
-                acc = acc + dy[n * Out + o]
-            db[o] += acc
+            db[o] += <floating> runs_sum(dy + o, N, Out, 1)
 
 
 cdef void _check_cut(str name, object cut, int* axis, Py_ssize_t* width) except *:

@@ -38,6 +38,7 @@ from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
 from _panels cimport (bf16_gemm_nt, bf16_panel_count, bf16_panel_gemm, bf16_panel_offset,
                       bf16_panel_pack, bf16_panel_size)
+from _lane_sums cimport runs_sum
 from _parallel cimport threads_for
 from _tap_range cimport tap_end_valid, tap_first_valid
 from _validate cimport F32, check_blas_dim
@@ -303,8 +304,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef const ConvGeometry* g = &s.g
     cdef Py_ssize_t P = g.Ho * g.Wo, HW = g.H * g.W
     cdef int threads = s.threads
-    cdef Py_ssize_t k, c, o, o0, o1, c0, c1, r, t, q
-    cdef floating beta, acc
+    cdef Py_ssize_t k, c, o, o0, o1, c0, c1, r, t
+    cdef floating beta
     cdef floating* dwt_t
     cdef Run* runs = <Run*> work
     cdef floating* xt = <floating*> (<char*> work + s.runs_bytes)
@@ -324,10 +325,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         for o in prange(g.Co, schedule="static"):
             _transpose(dyt + o * s.out_ld, g.N, 1, dy + o * P, g.Co * P, 1, g.N, P, False)
             if db != NULL:
-                acc = 0
-                for q in range(s.out_ld):
-                    acc = acc + dyt[o * s.out_ld + q]
-                db[o] += acc
+                db[o] += <floating> runs_sum(dyt + o * s.out_ld, 1, 0, s.out_ld)
             if dx != NULL and not bf16:
                 _repack_weights(wt, w, s, o)
         for k in prange(threads, schedule="static"):

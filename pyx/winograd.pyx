@@ -36,6 +36,7 @@ from _panels cimport (BF16_BLOCK_PAIRS, BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf
                       bf16_panel_offset, bf16_panel_size, bf16_panel_zero_padding,
                       panel_offset, panel_size, panel_zero_padding_d, panel_zero_padding_f,
                       times_weights, weights_operand)
+from _lane_sums cimport runs_sum
 from _parallel cimport threads_for
 from _validate cimport F32, check_blas_dim
 
@@ -525,14 +526,13 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t slot = 16 * g.Co * g.C
     cdef floating* u = work
     cdef floating* partials = work + s.u_size
-    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, co, c, n, i
+    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, co
     cdef floating* v = NULL
     cdef floating* dm = NULL
     cdef floating* du = NULL
     cdef floating* band = NULL
     cdef floating* plane = NULL
     cdef floating* packed = NULL
-    cdef double bias_acc
     cdef floating beta
     cdef bint panels = s.panels
     cdef Py_ssize_t u_stride = _u_stride(s, True)
@@ -593,11 +593,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                                 threads, g.C)
     if db != NULL:
         for co in prange(g.Co, schedule="static", num_threads=threads, nogil=True):
-            bias_acc = 0
-            for n in range(g.N):
-                for i in range(g.Ho * g.Wo):
-                    bias_acc = bias_acc + dy[(n * g.Co + co) * g.Ho * g.Wo + i]
-            db[co] += <floating> bias_acc
+            db[co] += <floating> runs_sum(dy + co * g.Ho * g.Wo, g.N, g.Co * g.Ho * g.Wo,
+                                          g.Ho * g.Wo)
 
 
 cdef bint _supports(const ConvGeometry* g) noexcept:
