@@ -16,19 +16,22 @@
  * depth 2t, 2t + 1), depth past k and columns past n zero; 16 pairs of 16 of its columns are
  * an AMX tile of b as it lies.
  *
- * Two kernels on those panels and strips, the caller's `kernel` (DYNAR_BF16_* of bf16.h):
+ * Three kernels on those panels, the caller's `kernel` (DYNAR_BF16_* of bf16.h), two on
+ * x86 on those strips and aarch64's on a strip of its own (below, where it is defined):
  * - DYNAR_BF16_AMX, AMX tiles: TDPBF16PS adds a 16 x 32 tile of a times a 32 x 16 tile of b to
  *   a 16 x 16 float32 tile of c. A block of c is a panel x the strip's 3 tiles of columns: per
  *   16 pairs, 4 tile loads and 3 TDPBF16PS.
  * - DYNAR_BF16_AVX512, VDPBF16PS: acc[l] += a0 * b0[l] + a1 * b1[l]. A block of c is half a
  *   panel (8 rows) x 3 vectors of 16 columns, 24 accumulators: per pair, 3 loads of the strip,
  *   8 broadcast units of the panel, 24 VDPBF16PS.
- * Both sum each element's pairs in depth order across passes, so the passes (block_bytes)
- * never change a result; the two kernels differ from each other in summation order only.
+ * - DYNAR_BF16_ARM, BFMMLA: 2 x 4 times 4 x 2, read from the panels as they lie.
+ * Each sums an element's pairs in depth order across passes, so the passes (block_bytes)
+ * never change a result; the kernels differ from each other in summation order only.
  *
- * Rounding: the strip's conversion (VCVTNE2PS2BF16) is nearest-even with subnormals to zero
- * and NaN kept quiet, which is include/bf16.h's rule, the one the panels are packed with; the
- * tests hold the two to each other. The kernels are compiled for their instructions whatever
+ * Rounding: the strip's conversion (VCVTNE2PS2BF16; on aarch64 bf16.h's integer steps in
+ * NEON lanes) is nearest-even with subnormals to zero and NaN kept quiet, which is
+ * include/bf16.h's rule, the one the panels are packed with; the tests hold the two to each
+ * other. The kernels are compiled for their instructions whatever
  * the build's -march and run only where dynar_bf16_features() says the CPU (and, for AMX,
  * Linux) lets them. */
 #ifndef DYNAR_PANEL_GEMM_BF16_H
@@ -106,6 +109,7 @@ static void bf16_panel_zero_padding(uint16_t *restrict panels, ptrdiff_t m, ptrd
 #if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
 #include <immintrin.h>
 #define BF16_HAVE_X86 1
+#define BF16_HAVE_ARM 0
 /* AMX's intrinsics came with GCC 11 and clang 12; older compilers build the rest. */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define BF16_HAVE_AMX 1
@@ -345,6 +349,216 @@ BF16_INLINE void bf16_panel_block(int kernel, float *restrict c, ptrdiff_t ldc,
                           rows - half * 8 < 8 ? rows - half * 8 : 8, nv, tail);
 }
 
+/* As bf16_strip_fill, from op(b) = b^T for b (n, k) with the depth contiguous. */
+BF16_INLINE void bf16_strip_fill_transposed(uint32_t *restrict strip, const float *restrict b,
+                                            ptrdiff_t ldb, ptrdiff_t k, ptrdiff_t k0,
+                                            ptrdiff_t pairs, ptrdiff_t j0, ptrdiff_t cols)
+{
+    for (int v = 0; v * 16 < cols; v++)
+        for (ptrdiff_t t = 0; t < pairs; t += 16)
+            bf16_units_transposed(strip + t * BF16_PANEL_WIDTH + v * 16, BF16_PANEL_WIDTH,
+                                  b + (j0 + v * 16) * ldb, ldb,
+                                  cols - v * 16 < 16 ? (int) (cols - v * 16) : 16, 16, k,
+                                  k0 + 2 * t, 16);
+}
+
+/* a (m, k), its depth contiguous, rounded into whole panels (bf16_panel_size(m, k) halves):
+ * a block's rows are each row's 16 pairs as they lie, rounded in one register. */
+BF16_INLINE void bf16_pack_depth_rows(uint32_t *restrict units, const float *restrict a,
+                                      ptrdiff_t lda, ptrdiff_t m, ptrdiff_t k)
+{
+    for (ptrdiff_t i = 0; i < bf16_panel_count(m) * BF16_PANEL_ROWS; i++)
+        for (ptrdiff_t t = 0; t < bf16_panel_pairs(k); t += BF16_BLOCK_PAIRS) {
+            const float *row = a + i * lda + 2 * t;
+            const ptrdiff_t left = i < m ? k - 2 * t : 0;
+            const __m512 lo = _mm512_maskz_loadu_ps(bf16_lanes(left), row);
+            const __m512 hi = _mm512_maskz_loadu_ps(bf16_lanes(left - 16), row + 16);
+            _mm512_storeu_si512(units + bf16_panel_unit(i, t, k),
+                                (__m512i) _mm512_cvtne2ps_pbh(hi, lo));
+        }
+}
+#elif defined(__aarch64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
+/* aarch64 FEAT_BF16: BFMMLA acc, A, B adds A (2 x 4) @ B^T (4 x 2), two rows and two columns
+ * of four halves each, to the 2 x 2 float32 block in acc. A is read from the panels as they
+ * are (a row's 4 halves of one quad are 2 adjacent units, 8 bytes); the strip is this
+ * kernel's own: per quad of depth, BF16_PANEL_WIDTH / 2 column pairs of 8 halves (column
+ * 2p's 4, then column 2p + 1's), each a B register as it lies. A block of c is 8 rows x 8
+ * columns, 16 accumulators: per two quads, 8 loads of the panel zipped into 4 + 4 A
+ * registers, 8 loads of the strip, 32 BFMMLA. */
+#include <arm_neon.h>
+#define BF16_HAVE_X86 0
+#define BF16_HAVE_AMX 0
+#define BF16_HAVE_ARM 1
+#define BF16_TARGET __attribute__((target("arch=armv8.2-a+bf16")))
+#define BF16_INLINE static inline __attribute__((always_inline)) BF16_TARGET
+#define BF16_STRIP_COLUMN_PAIRS (BF16_PANEL_WIDTH / 2)
+
+/* 4 floats from p: the first `count` of them (count may be <= 0 or >= 4), the rest zero. */
+static inline float32x4_t bf16_load4(const float *p, ptrdiff_t count)
+{
+    if (count >= 4)
+        return vld1q_f32(p);
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (ptrdiff_t i = 0; i < count; i++)
+        v[i] = p[i];
+    return vld1q_f32(v);
+}
+
+/* include/bf16.h's rounding, on 4 lanes (the same integer steps as dynar_bf16_from_float:
+ * BFCVT's treatment of subnormals follows FPCR, this does not). */
+static inline uint16x4_t bf16_round4(float32x4_t x)
+{
+    const uint32x4_t bits = vreinterpretq_u32_f32(x);
+    const uint32x4_t upper = vshrq_n_u32(bits, 16);
+    const uint32x4_t magnitude = vandq_u32(bits, vdupq_n_u32(0x7fffffffu));
+    const uint32x4_t odd = vandq_u32(upper, vdupq_n_u32(1));
+    const uint32x4_t rounded = vshrq_n_u32(vaddq_u32(vaddq_u32(bits, vdupq_n_u32(0x7fffu)), odd),
+                                           16);
+    const uint32x4_t quiet_nan = vorrq_u32(upper, vdupq_n_u32(0x0040u));
+    const uint32x4_t signed_zero = vandq_u32(upper, vdupq_n_u32(0x8000u));
+    uint32x4_t result = vbslq_u32(vcgtq_u32(magnitude, vdupq_n_u32(0x7f800000u)), quiet_nan,
+                                  rounded);
+    result = vbslq_u32(vcltq_u32(magnitude, vdupq_n_u32(0x00800000u)), signed_zero, result);
+    return vmovn_u32(result);
+}
+
+/* Pairs [0, pairs) (whole quads) of rows k0.. of b (k, n), columns [j0, j0 + cols), into the
+ * strip, rounded; depth past k and columns past cols zero. Four rows of four columns are
+ * rounded, then transposed into the four columns' quads. */
+BF16_INLINE void bf16_strip_fill(uint32_t *restrict strip, const float *restrict b,
+                                 ptrdiff_t ldb, ptrdiff_t k, ptrdiff_t k0, ptrdiff_t pairs,
+                                 ptrdiff_t j0, ptrdiff_t cols)
+{
+    uint16_t *halves = (uint16_t *) strip;
+    for (ptrdiff_t q = 0; q < pairs / 2; q++)
+        for (ptrdiff_t j = 0; j < BF16_PANEL_WIDTH; j += 4) {
+            uint16x4_t r[4];
+            for (int h = 0; h < 4; h++) {
+                const ptrdiff_t d = k0 + 4 * q + h;
+                r[h] = d < k ? bf16_round4(bf16_load4(b + d * ldb + j0 + j, cols - j))
+                             : vdup_n_u16(0);
+            }
+            const uint16x4x2_t t01 = vtrn_u16(r[0], r[1]), t23 = vtrn_u16(r[2], r[3]);
+            /* columns 0 and 2, then 1 and 3 */
+            const uint32x2x2_t c02 = vtrn_u32(vreinterpret_u32_u16(t01.val[0]),
+                                              vreinterpret_u32_u16(t23.val[0]));
+            const uint32x2x2_t c13 = vtrn_u32(vreinterpret_u32_u16(t01.val[1]),
+                                              vreinterpret_u32_u16(t23.val[1]));
+            uint16_t *dst = halves + (q * BF16_STRIP_COLUMN_PAIRS + j / 2) * 8;
+            vst1q_u16(dst, vcombine_u16(vreinterpret_u16_u32(c02.val[0]),
+                                        vreinterpret_u16_u32(c13.val[0])));
+            vst1q_u16(dst + 8, vcombine_u16(vreinterpret_u16_u32(c02.val[1]),
+                                            vreinterpret_u16_u32(c13.val[1])));
+        }
+}
+
+/* As bf16_strip_fill, from op(b) = b^T for b (n, k) with the depth contiguous: a column's
+ * quad is 4 adjacent values. */
+BF16_INLINE void bf16_strip_fill_transposed(uint32_t *restrict strip, const float *restrict b,
+                                            ptrdiff_t ldb, ptrdiff_t k, ptrdiff_t k0,
+                                            ptrdiff_t pairs, ptrdiff_t j0, ptrdiff_t cols)
+{
+    uint16_t *halves = (uint16_t *) strip;
+    for (ptrdiff_t q = 0; q < pairs / 2; q++) {
+        const ptrdiff_t d = k0 + 4 * q;
+        for (ptrdiff_t j = 0; j < BF16_PANEL_WIDTH; j += 2) {
+            const uint16x4_t even = j < cols
+                ? bf16_round4(bf16_load4(b + (j0 + j) * ldb + d, k - d)) : vdup_n_u16(0);
+            const uint16x4_t odd = j + 1 < cols
+                ? bf16_round4(bf16_load4(b + (j0 + j + 1) * ldb + d, k - d)) : vdup_n_u16(0);
+            vst1q_u16(halves + (q * BF16_STRIP_COLUMN_PAIRS + j / 2) * 8,
+                      vcombine_u16(even, odd));
+        }
+    }
+}
+
+/* a (m, k), its depth contiguous, rounded into whole panels (bf16_panel_size(m, k) halves). */
+BF16_INLINE void bf16_pack_depth_rows(uint32_t *restrict units, const float *restrict a,
+                                      ptrdiff_t lda, ptrdiff_t m, ptrdiff_t k)
+{
+    bf16_panel_pack((uint16_t *) units, a, m, k, lda, 1, 0, bf16_panel_count(m));
+}
+
+/* One block of c: rows [0, rows) of a half panel (from `panel`, its first row's unit at the
+ * pass's first pair) x columns [0, cols) (from `strip`, the block's first column pair of the
+ * pass's first quad), over `quads` quads (even). first: start from bias (or zero), else add
+ * to c. acc[i][j] is c's 2 x 2 block at rows 2i, columns 2j. */
+BF16_INLINE void bf16_bfmmla_block(float *restrict c, ptrdiff_t ldc,
+                                   const uint32_t *restrict panel,
+                                   const uint16_t *restrict strip, ptrdiff_t quads,
+                                   const float *restrict bias, int first, int rows, int cols)
+{
+    float t[8][8];
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < 8; j++)
+            t[r][j] = r >= rows ? 0.0f : !first ? (j < cols ? c[r * ldc + j] : 0.0f)
+                    : bias ? bias[r] : 0.0f;
+    float32x4_t acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++)
+            acc[i][j] = vcombine_f32(vld1_f32(&t[2 * i][2 * j]),
+                                     vld1_f32(&t[2 * i + 1][2 * j]));
+    for (ptrdiff_t q = 0; q < quads; q += 2) {
+        /* A row's quads q and q + 1: its 4 units from pair 2q on. */
+        const uint32_t *units = panel + 2 * q / BF16_BLOCK_PAIRS * BF16_BLOCK_PAIRS
+                                            * BF16_PANEL_ROWS + 2 * q % BF16_BLOCK_PAIRS;
+        bfloat16x8_t a[2][4];
+        for (int i = 0; i < 4; i++) {
+            const uint64x2_t even = vreinterpretq_u64_u32(
+                vld1q_u32(units + 2 * i * BF16_BLOCK_PAIRS));
+            const uint64x2_t odd = vreinterpretq_u64_u32(
+                vld1q_u32(units + (2 * i + 1) * BF16_BLOCK_PAIRS));
+            a[0][i] = vreinterpretq_bf16_u64(vzip1q_u64(even, odd));
+            a[1][i] = vreinterpretq_bf16_u64(vzip2q_u64(even, odd));
+        }
+        for (int s = 0; s < 2; s++) {
+            const uint16_t *quad = strip + (q + s) * BF16_STRIP_COLUMN_PAIRS * 8;
+            for (int j = 0; j < 4; j++) {
+                const bfloat16x8_t bj = vreinterpretq_bf16_u16(vld1q_u16(quad + 8 * j));
+                for (int i = 0; i < 4; i++)
+                    acc[i][j] = vbfmmlaq_f32(acc[i][j], a[s][i], bj);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            vst1_f32(&t[2 * i][2 * j], vget_low_f32(acc[i][j]));
+            vst1_f32(&t[2 * i + 1][2 * j], vget_high_f32(acc[i][j]));
+        }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < cols; j++)
+            c[r * ldc + j] = t[r][j];
+}
+
+/* One panel of c against the strip: its rows [0, rows), the strip's nv vectors of 16
+ * columns (the last with `tail`), over `pairs` pairs, run in whole pairs of quads (the
+ * padding past them is zero). */
+BF16_INLINE void bf16_panel_block(int kernel, float *restrict c, ptrdiff_t ldc,
+                                  const uint32_t *restrict panel,
+                                  const uint32_t *restrict strip, ptrdiff_t pairs,
+                                  const float *restrict bias, int first, int rows, int nv,
+                                  int tail)
+{
+    (void) kernel;
+    const int cols = (nv - 1) * 16 + tail;
+    const ptrdiff_t quads = (pairs + 3) / 4 * 2;
+    for (int half = 0; half * 8 < rows; half++)
+        for (int j = 0; j < cols; j += 8)
+            bf16_bfmmla_block(c + half * 8 * ldc + j, ldc,
+                              panel + half * 8 * BF16_BLOCK_PAIRS,
+                              (const uint16_t *) strip + j / 2 * 8, quads,
+                              bias ? bias + half * 8 : NULL, first,
+                              rows - half * 8 < 8 ? rows - half * 8 : 8,
+                              cols - j < 8 ? cols - j : 8);
+}
+
+#else
+#define BF16_HAVE_X86 0
+#define BF16_HAVE_AMX 0
+#define BF16_HAVE_ARM 0
+#endif
+
+#if BF16_HAVE_X86 || BF16_HAVE_ARM
 /* c (m, n) = a (m, k) @ op(b) [+ bias (m,) on every column] (or c += a @ op(b), bias unread,
  * when add), a as
  * bf16 panels (units), op(b) (k, n) read a strip at a time: b (k, n) row-major, or b (n, k)
@@ -385,12 +599,7 @@ BF16_INLINE void bf16_panels_times_strips(int kernel, float *restrict c, ptrdiff
             if (!b_transposed)
                 bf16_strip_fill(strip, b, ldb, k, 2 * t0, kd, j0, cols);
             else
-                for (int v = 0; v < nv; v++)
-                    for (ptrdiff_t t = 0; t < kd; t += 16)
-                        bf16_units_transposed(strip + t * BF16_PANEL_WIDTH + v * 16,
-                                              BF16_PANEL_WIDTH, b + (j0 + v * 16) * ldb, ldb,
-                                              v < nv - 1 ? 16 : tail, 16, k, 2 * (t0 + t),
-                                              16);
+                bf16_strip_fill_transposed(strip, b, ldb, k, 2 * t0, kd, j0, cols);
             for (ptrdiff_t p = 0; p < bf16_panel_count(m); p++) {
                 const ptrdiff_t i0 = p * BF16_PANEL_ROWS;
                 const int rows = m - i0 < BF16_PANEL_ROWS ? (int) (m - i0) : BF16_PANEL_ROWS;
@@ -456,24 +665,11 @@ BF16_TARGET static void bf16_gemm_nt(int kernel, float *restrict c, ptrdiff_t ld
                 c[i * ldc + j] = 0.0f;
         return;
     }
-    /* A panel block's rows are each row's 16 pairs as they lie, rounded in one register. */
-    const ptrdiff_t panel_pairs = bf16_panel_pairs(k);
-    uint32_t *units = (uint32_t *) work;
-    for (ptrdiff_t i = 0; i < bf16_panel_count(m) * BF16_PANEL_ROWS; i++)
-        for (ptrdiff_t t = 0; t < panel_pairs; t += BF16_BLOCK_PAIRS) {
-            const float *row = a + i * lda + 2 * t;
-            const ptrdiff_t left = i < m ? k - 2 * t : 0;
-            const __m512 lo = _mm512_maskz_loadu_ps(bf16_lanes(left), row);
-            const __m512 hi = _mm512_maskz_loadu_ps(bf16_lanes(left - 16), row + 16);
-            _mm512_storeu_si512(units + bf16_panel_unit(i, t, k),
-                                (__m512i) _mm512_cvtne2ps_pbh(hi, lo));
-        }
-    bf16_panels_times_strips(kernel, c, ldc, units, m, k, b, ldb, 1, n, NULL, add,
-                             block_bytes);
+    bf16_pack_depth_rows((uint32_t *) work, a, lda, m, k);
+    bf16_panels_times_strips(kernel, c, ldc, (const uint32_t *) work, m, k, b, ldb, 1, n, NULL,
+                             add, block_bytes);
 }
 #else
-#define BF16_HAVE_X86 0
-#define BF16_HAVE_AMX 0
 
 static void bf16_panel_gemm(int kernel, float *restrict c, ptrdiff_t ldc,
                             const uint16_t *restrict panels, ptrdiff_t m, ptrdiff_t k,
@@ -498,9 +694,11 @@ static void bf16_gemm_nt(int kernel, float *restrict c, ptrdiff_t ldc, const flo
 #endif
 
 /* The kernels of bf16_panel_gemm this build and CPU run, as DYNAR_BF16_* bits: AVX512_BF16,
- * and AMX besides it (the strips are filled with AVX-512). */
+ * and AMX besides it (the strips are filled with AVX-512); BFMMLA on aarch64. */
 static inline int bf16_panel_kernels(void)
 {
+    if (BF16_HAVE_ARM)
+        return dynar_bf16_features() & DYNAR_BF16_ARM;
     const int features = BF16_HAVE_X86 ? dynar_bf16_features() : 0;
     if (!(features & DYNAR_BF16_AVX512))
         return 0;

@@ -32,12 +32,14 @@ cdef extern from "bf16.h" nogil:
     enum:
         DYNAR_BF16_AVX512
         DYNAR_BF16_AMX
+        DYNAR_BF16_ARM
 
 # The bf16 kernels of the panel GEMM by name, fastest first, and those this CPU runs.
-BF16_KERNELS = {"amx_bf16": DYNAR_BF16_AMX, "avx512_bf16": DYNAR_BF16_AVX512}
+BF16_KERNELS = {"amx_bf16": DYNAR_BF16_AMX, "avx512_bf16": DYNAR_BF16_AVX512,
+                "bfmmla": DYNAR_BF16_ARM}
 cdef int _bf16_runs = bf16_panel_kernels()
-cdef int _bf16_kernel = (DYNAR_BF16_AMX if _bf16_runs & DYNAR_BF16_AMX
-                         else _bf16_runs & DYNAR_BF16_AVX512)
+cdef int _bf16_kernel = next((kernel for kernel in BF16_KERNELS.values() if _bf16_runs & kernel),
+                             0)
 
 
 def _sysfs_cache(index, name):
@@ -105,14 +107,15 @@ def release_workspace():
 
 def bf16_kernels():
     """Whether bf16 calls (forward's and backward's bf16=True) run on bf16 instructions
-    here: AMX or AVX512_BF16 (bf16_kernel), with the panel GEMM on (set_panel_gemm).
+    here: AMX, AVX512_BF16 or aarch64's BFMMLA (bf16_kernel), with the panel GEMM on
+    (set_panel_gemm).
     Elsewhere they compute in float32."""
     return bool(_bf16_kernel and _panel_gemm)
 
 
 def bf16_kernel(name=None):
-    """The bf16 kernel bf16 calls run on: "amx_bf16", "avx512_bf16" (the fastest this CPU
-    runs, by default), or None where it runs neither. A name sets it (ValueError naming
+    """The bf16 kernel bf16 calls run on: "amx_bf16", "avx512_bf16", "bfmmla" (the fastest
+    this CPU runs, by default), or None where it runs none. A name sets it (ValueError naming
     what this CPU runs when it cannot). Returns the kernel before."""
     global _bf16_kernel
     previous = next((n for n, k in BF16_KERNELS.items() if k == _bf16_kernel), None)

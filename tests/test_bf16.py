@@ -202,7 +202,8 @@ def _conv64(x, w, b, stride, padding):
 CONV_CASES = [("gemm", 1), ("gemm", 2), ("winograd", 1), ("direct", 1), ("tapgemm", 1)]
 # What each of the convolutions' bf16 kernels needs (kernels/conv.BF16_KERNELS).
 CONV_KERNEL_NEEDS = {"amx_bf16": "x86 AMX-BF16 (tile state granted by Linux) and AVX512_BF16",
-                     "avx512_bf16": "x86 AVX512_BF16 and AVX512BW"}
+                     "avx512_bf16": "x86 AVX512_BF16 and AVX512BW",
+                     "bfmmla": "aarch64 FEAT_BF16 (BFMMLA)"}
 
 
 @pytest.fixture(params=list(CONV_KERNEL_NEEDS))
@@ -254,6 +255,7 @@ def test_every_conv_kernel_is_listed_and_runs_where_the_cpu_has_it():
     here = _conv_kernels_here()
     assert ("avx512_bf16" in here) == ("avx512_bf16" in features)
     assert ("amx_bf16" in here) == ({"amx_bf16", "avx512_bf16"} <= set(features))
+    assert ("bfmmla" in here) == ("aarch64_bf16" in features)
     assert conv.bf16_kernel() == (here[0] if here else None)   # the fastest by default
     with pytest.raises(ValueError, match="bf16 kernel 'tiles': this CPU runs"):
         conv.bf16_kernel("tiles")
