@@ -28,9 +28,9 @@ cdef struct ConvCall:
     # The products with the weights on dynar's panel GEMM, a panel's pass filling at most
     # this many bytes of L1 (conv.panel_block_bytes); 0: on BLAS.
     Py_ssize_t panel_block
-    # Those products on bf16 panels (include/panel_gemm_bf16.h), on this kernel (DYNAR_BF16_AMX
-    # or DYNAR_BF16_AVX512, conv.bf16_kernel); 0 for float32. Set only for float32 calls
-    # asking for bf16, with panel_block set, on a CPU that runs the kernel.
+    # Those products on bf16 panels (include/panel_gemm_bf16.h), on this kernel (DYNAR_BF16_AMX,
+    # DYNAR_BF16_AVX512 or DYNAR_BF16_ARM, conv.bf16_kernel); 0 for float32. Set only for
+    # float32 calls asking for bf16 on a CPU that runs the kernel, and panel_block with it.
     int bf16
     ConvGeometry g
     # The arrays' data; NULL for an optional one left out (b, db, dx) or one of the other pass.

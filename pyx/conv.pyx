@@ -34,9 +34,10 @@ cdef extern from "bf16.h" nogil:
         DYNAR_BF16_AMX
         DYNAR_BF16_ARM
 
-# The bf16 kernels of the panel GEMM by name, fastest first, and those this CPU runs.
+# The bf16 kernels of the panel GEMM by name, fastest first, and those this CPU runs; then
+# "portable", which every CPU runs: float32 kernels on operands the layer rounds.
 BF16_KERNELS = {"amx_bf16": DYNAR_BF16_AMX, "avx512_bf16": DYNAR_BF16_AVX512,
-                "bfmmla": DYNAR_BF16_ARM}
+                "bfmmla": DYNAR_BF16_ARM, "portable": 0}
 cdef int _bf16_runs = bf16_panel_kernels()
 cdef int _bf16_kernel = next((kernel for kernel in BF16_KERNELS.values() if _bf16_runs & kernel),
                              0)
@@ -107,31 +108,31 @@ def release_workspace():
 
 def bf16_kernels():
     """Whether bf16 calls (forward's and backward's bf16=True) run on bf16 instructions
-    here: AMX, AVX512_BF16 or aarch64's BFMMLA (bf16_kernel), with the panel GEMM on
-    (set_panel_gemm).
-    Elsewhere they compute in float32."""
-    return bool(_bf16_kernel and _panel_gemm)
+    here: AMX, AVX512_BF16 or aarch64's BFMMLA (bf16_kernel), on bf16 panels whatever
+    set_panel_gemm says for float32. Elsewhere they compute in float32."""
+    return _bf16_kernel != 0
 
 
 def bf16_kernel(name=None):
     """The bf16 kernel bf16 calls run on: "amx_bf16", "avx512_bf16", "bfmmla" (the fastest
-    this CPU runs, by default), or None where it runs none. A name sets it (ValueError naming
-    what this CPU runs when it cannot). Returns the kernel before."""
+    this CPU runs, by default), or "portable" where it runs none. A name sets it (ValueError
+    naming what this CPU runs when it cannot). Returns the kernel before."""
     global _bf16_kernel
-    previous = next((n for n, k in BF16_KERNELS.items() if k == _bf16_kernel), None)
+    previous = next(n for n, k in BF16_KERNELS.items() if k == _bf16_kernel)
     if name is not None:
-        if name not in BF16_KERNELS or not _bf16_runs & BF16_KERNELS[name]:
-            runs = [n for n, k in BF16_KERNELS.items() if _bf16_runs & k]
-            raise ValueError(f"bf16 kernel {name!r}: this CPU runs "
-                             f"{', '.join(map(repr, runs)) or 'no bf16 kernel'}")
+        if name not in BF16_KERNELS or (BF16_KERNELS[name] and
+                                        not _bf16_runs & BF16_KERNELS[name]):
+            runs = [n for n, k in BF16_KERNELS.items() if not k or _bf16_runs & k]
+            raise ValueError(f"bf16 kernel {name!r}: this CPU runs {', '.join(map(repr, runs))}")
         _bf16_kernel = BF16_KERNELS[name]
     return previous
 
 
 def set_panel_gemm(bint enabled):
-    """Whether the products with the weights (im2col's and Winograd's) run on dynar's panel
-    GEMM (True) or on BLAS; returns the previous setting. The default is the panel GEMM where
-    the build targets AVX2 or AVX-512, where it was measured faster."""
+    """Whether the float32 products with the weights (im2col's and Winograd's) run on dynar's
+    panel GEMM (True) or on BLAS; returns the previous setting. The default is the panel GEMM
+    where the build targets AVX2 or AVX-512, where it was measured faster. (bf16 calls on bf16
+    instructions always run on bf16 panels; bf16_kernel("portable") sends them here.)"""
     global _panel_gemm
     previous = _panel_gemm
     _panel_gemm = enabled
@@ -211,8 +212,9 @@ cdef class Algorithm:
         if self._impl.supports != NULL and not self._impl.supports(&c.g):
             raise ValueError(f"{self.name}: needs {self.needs}, got a {c.g.kh}x{c.g.kw} "
                              f"kernel at stride {(c.g.sh, c.g.sw)}")
-        c.panel_block = _panel_block if _panel_gemm else 0
-        c.bf16 = _bf16_kernel if bf16 and bf16_kernels() and c.kind == F32 else 0
+        c.bf16 = _bf16_kernel if bf16 and c.kind == F32 else 0
+        # bf16 instructions multiply bf16 panels: the switch is float32's.
+        c.panel_block = _panel_block if _panel_gemm or c.bf16 else 0
         cdef PlanSpace plan
         cdef bint private
         cdef size_t work_bytes = self._impl.plan(c, &plan)

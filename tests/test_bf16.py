@@ -215,18 +215,13 @@ def conv_bf16_kernel(request):
 
 @pytest.fixture(params=[*CONV_KERNEL_NEEDS, "portable"])
 def conv_bf16_path(request):
-    """As conv_bf16_kernel, and on the portable path: the panel GEMM off, float32 kernels on
-    operands the layer rounds, which every CPU runs."""
+    """As conv_bf16_kernel, and on the portable path: float32 kernels on operands the layer
+    rounds, which every CPU runs."""
     yield from _convolutions_on(request.param)
 
 
 def _convolutions_on(name):
-    if name == "portable":
-        previous = conv.set_panel_gemm(False)
-        yield name
-        conv.set_panel_gemm(previous)
-        return
-    if name not in _conv_kernels_here():
+    if name != "portable" and name not in _conv_kernels_here():
         pytest.skip(f"the convolutions' {name} kernel needs {CONV_KERNEL_NEEDS[name]}, which "
                     f"this CPU ({platform.machine()}) does not have")
     previous = conv.bf16_kernel(name)
@@ -244,19 +239,19 @@ def _conv_kernels_here():
             runs.append(name)
         except ValueError:
             pass
-    if previous is not None:
-        conv.bf16_kernel(previous)
+    conv.bf16_kernel(previous)
     return runs
 
 
 def test_every_conv_kernel_is_listed_and_runs_where_the_cpu_has_it():
-    assert set(CONV_KERNEL_NEEDS) == set(conv.BF16_KERNELS)
+    assert set(CONV_KERNEL_NEEDS) | {"portable"} == set(conv.BF16_KERNELS)
     features = bf16.cpu_features()
     here = _conv_kernels_here()
     assert ("avx512_bf16" in here) == ("avx512_bf16" in features)
     assert ("amx_bf16" in here) == ({"amx_bf16", "avx512_bf16"} <= set(features))
     assert ("bfmmla" in here) == ("aarch64_bf16" in features)
-    assert conv.bf16_kernel() == (here[0] if here else None)   # the fastest by default
+    assert conv.bf16_kernel() == (here[0] if here else "portable")  # the fastest by default
+    assert conv.bf16_kernels() == bool(here)
     with pytest.raises(ValueError, match="bf16 kernel 'tiles': this CPU runs"):
         conv.bf16_kernel("tiles")
 
