@@ -1,22 +1,17 @@
-/* A GEMM on bf16 operands with float32 sums, for --precision bf16 (pyx/bf16.pyx, matmul):
+/* The portable kernel of kernels.bf16.matmul (pyx/bf16.pyx), a GEMM on bf16 operands with
+ * float32 sums that any CPU runs:
  *
  *     c (m, n) = a (m, k) @ b (k, n)   [+ c],  row-major c,
  *
  * a and b given as float32 at any strides and rounded to bf16 (include/bf16.h) as they are
- * packed, so the caller needs no rounded copy of either.
+ * packed, so the caller needs no rounded copy of either. matmul's other kernels (AMX,
+ * AVX512_BF16, BFMMLA) are the bf16 panel GEMM's (include/panel_gemm_bf16.h); this one is
+ * the reference the tests hold them to on every CPU, no faster than float32 BLAS.
  *
  * Packed form: the operand's rows in panels of BF16_PANEL (8) rows; within a panel, the depth
  * in quads of 4, and a quad as 4 row pairs of 8 halves: row 2p's 4 values, then row 2p+1's.
- * That is the layout of the 2 x 4 bf16 matrices aarch64's BFMMLA multiplies (one 128-bit
- * register each): BFMMLA acc, A, B adds A (2 x 4) @ B^T (4 x 2) to the 2 x 2 float32 block in
- * acc. b is packed the same way as b^T (its columns are the "rows"), so one packer serves
- * both, and a tile of 8 x 8 of c takes 4 registers of a, 4 of b and 16 accumulators per quad.
- * Rows past the operand's and depth past k are zero, so every tile runs whole quads.
- *
- * The tile kernels: BFMMLA where the CPU has FEAT_BF16 (compiled for it whatever the build's
- * -mcpu, run only when dynar_bf16_features() says so), and a portable one on the same layout
- * (any CPU: the tests compare the two, and check the packing where BFMMLA cannot run). They
- * differ only in summation order: BFMMLA adds its four products before the accumulator. */
+ * b is packed the same way as b^T (its columns are the "rows"), so one packer serves both.
+ * Rows past the operand's and depth past k are zero, so every tile runs whole quads. */
 #ifndef DYNAR_BF16_GEMM_H
 #define DYNAR_BF16_GEMM_H
 #include <stddef.h>
@@ -26,14 +21,14 @@
 #include "panel_gemm_bf16.h"
 
 #define BF16_PANEL 8                       /* rows of a panel, columns of a tile */
-#define BF16_QUAD 4                        /* depth of one BFMMLA */
+#define BF16_QUAD 4                        /* depth of a packed unit */
 #define BF16_QUAD_HALVES (BF16_PANEL * BF16_QUAD)
 /* Quads of one pass over a tile: a's and b's panels for a pass (2 x 16 KB) stay in L1 while
  * the pass sweeps c's tiles. */
 #define BF16_PASS_QUADS 256
 
-/* The kernels of kernels.bf16.matmul: tiles on this header's layout (portable, BFMMLA), or
- * x86 AVX512_BF16 and AMX on include/panel_gemm_bf16.h's panels and strips, its own layout. */
+/* The kernels of kernels.bf16.matmul: portable tiles on this header's layout, or the bf16
+ * panel GEMM's (include/panel_gemm_bf16.h) on its panels and strips. */
 enum { BF16_KERNEL_PORTABLE = 0, BF16_KERNEL_BFMMLA = 1, BF16_KERNEL_AVX512 = 2,
        BF16_KERNEL_AMX = 3 };
 
@@ -95,46 +90,6 @@ static void bf16_tile_portable(float *restrict c, ptrdiff_t ldc, const uint16_t 
     bf16_store_tile(c, ldc, t, rows, cols, add);
 }
 
-#if defined(__aarch64__) && defined(__GNUC__) && \
-    (defined(__clang__) || __GNUC__ >= 10)
-#include <arm_neon.h>
-#define BF16_HAVE_BFMMLA 1
-
-/* The same tile on BFMMLA: acc[i][j] is c's 2 x 2 block at rows 2i, columns 2j, as
- * {c[2i][2j], c[2i][2j+1], c[2i+1][2j], c[2i+1][2j+1]}. */
-__attribute__((target("arch=armv8.2-a+bf16")))
-static void bf16_tile_bfmmla(float *restrict c, ptrdiff_t ldc, const uint16_t *restrict a,
-                             const uint16_t *restrict b, ptrdiff_t quads, int rows, int cols,
-                             int add)
-{
-    float32x4_t acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++)
-            acc[i][j] = vdupq_n_f32(0);
-    for (ptrdiff_t q = 0; q < quads; q++, a += BF16_QUAD_HALVES, b += BF16_QUAD_HALVES) {
-        bfloat16x8_t av[4], bv[4];
-        for (int i = 0; i < 4; i++) {
-            av[i] = vreinterpretq_bf16_u16(vld1q_u16(a + 8 * i));
-            bv[i] = vreinterpretq_bf16_u16(vld1q_u16(b + 8 * i));
-        }
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 4; j++)
-                acc[i][j] = vbfmmlaq_f32(acc[i][j], av[i], bv[j]);
-    }
-    float t[BF16_PANEL][BF16_PANEL];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
-            /* The 64-bit halves of a block are its two rows. */
-            float64x2_t block = vreinterpretq_f64_f32(acc[i][j]);
-            vst1_f32(&t[2 * i][2 * j], vreinterpret_f32_f64(vget_low_f64(block)));
-            vst1_f32(&t[2 * i + 1][2 * j], vreinterpret_f32_f64(vget_high_f64(block)));
-        }
-    bf16_store_tile(c, ldc, t, rows, cols, add);
-}
-#else
-#define BF16_HAVE_BFMMLA 0
-#endif
-
 /* Whether `kernel` is built in and this CPU may run it. */
 static inline int bf16_kernel_runs(int kernel)
 {
@@ -144,16 +99,16 @@ static inline int bf16_kernel_runs(int kernel)
         return (bf16_panel_kernels() & DYNAR_BF16_AVX512) != 0;
     if (kernel == BF16_KERNEL_AMX)
         return (bf16_panel_kernels() & DYNAR_BF16_AMX) != 0;
-    return kernel == BF16_KERNEL_BFMMLA && BF16_HAVE_BFMMLA
-        && (dynar_bf16_features() & DYNAR_BF16_ARM);
+    return kernel == BF16_KERNEL_BFMMLA && (bf16_panel_kernels() & DYNAR_BF16_ARM) != 0;
 }
 
 /* Row panel p of c (m, n) against every column panel in [q0, q1), from a packed (m, k) and
- * b packed as (n, k): the depth in passes of BF16_PASS_QUADS, each sweeping the tiles with
- * a's part of the pass kept in L1. add: add to c, else overwrite it. */
+ * b packed as (n, k), on the portable tile kernel: the depth in passes of BF16_PASS_QUADS,
+ * each sweeping the tiles with a's part of the pass kept in L1. add: add to c, else
+ * overwrite it. */
 static void bf16_gemm_panel(float *restrict c, ptrdiff_t ldc, const uint16_t *restrict a,
                             const uint16_t *restrict b, ptrdiff_t m, ptrdiff_t n, ptrdiff_t k,
-                            ptrdiff_t p, ptrdiff_t q0, ptrdiff_t q1, int add, int kernel)
+                            ptrdiff_t p, ptrdiff_t q0, ptrdiff_t q1, int add)
 {
     const ptrdiff_t quads = bf16_quads(k);
     const int rows = (int) (m - p * BF16_PANEL < BF16_PANEL ? m - p * BF16_PANEL : BF16_PANEL);
@@ -170,19 +125,9 @@ static void bf16_gemm_panel(float *restrict c, ptrdiff_t ldc, const uint16_t *re
         for (ptrdiff_t q = q0; q < q1; q++) {
             const int cols = (int) (n - q * BF16_PANEL < BF16_PANEL ? n - q * BF16_PANEL
                                                                     : BF16_PANEL);
-            const uint16_t *a_pass = panel + k0 * BF16_QUAD_HALVES;
-            const uint16_t *b_pass = b + (q * quads + k0) * BF16_QUAD_HALVES;
-            const int add_pass = add || k0 > 0;
-#if BF16_HAVE_BFMMLA
-            if (kernel == BF16_KERNEL_BFMMLA) {
-                bf16_tile_bfmmla(c_rows + q * BF16_PANEL, ldc, a_pass, b_pass, kq, rows, cols,
-                                 add_pass);
-                continue;
-            }
-#endif
-            (void) kernel;
-            bf16_tile_portable(c_rows + q * BF16_PANEL, ldc, a_pass, b_pass, kq, rows, cols,
-                               add_pass);
+            bf16_tile_portable(c_rows + q * BF16_PANEL, ldc, panel + k0 * BF16_QUAD_HALVES,
+                               b + (q * quads + k0) * BF16_QUAD_HALVES, kq, rows, cols,
+                               add || k0 > 0);
         }
     }
 }

@@ -4,8 +4,8 @@ instructions this CPU has.
 Every conversion rounds as include/bf16.h says (nearest, ties to even, NaN kept, subnormals
 to zero), elementwise over arrays of any shape, cut into fixed chunks for the threads: the
 result never depends on the thread count. `matmul` rounds its float32 operands the same way
-as it packs them, for include/bf16_gemm.h's tile kernels (BFMMLA, portable) or, with AMX
-or AVX512_BF16, for include/panel_gemm_bf16.h's panels and strips, and sums in float32;
+as it packs them, for include/panel_gemm_bf16.h's panels and strips (AMX, AVX512_BF16,
+BFMMLA) or include/bf16_gemm.h's portable tile kernel, and sums in float32;
 each element of c is summed by one thread in a fixed order, so it too is independent of the
 threads.
 """
@@ -40,11 +40,14 @@ cdef extern from "bf16_gemm.h" nogil:
     int bf16_kernel_runs(int kernel)
     void bf16_gemm_panel(float* c, Py_ssize_t ldc, const uint16_t* a, const uint16_t* b,
                          Py_ssize_t m, Py_ssize_t n, Py_ssize_t k, Py_ssize_t p,
-                         Py_ssize_t q0, Py_ssize_t q1, bint add, int kernel)
+                         Py_ssize_t q0, Py_ssize_t q1, bint add)
 
-# The kernels of matmul, fastest first.
+# The kernels of matmul, fastest first; all but the portable one are the convolutions' (the
+# bf16 panel GEMM's kernel of each, below).
 GEMM_KERNELS = {"amx_bf16": BF16_KERNEL_AMX, "bfmmla": BF16_KERNEL_BFMMLA,
                 "avx512_bf16": BF16_KERNEL_AVX512, "portable": BF16_KERNEL_PORTABLE}
+PANEL_KERNELS = {BF16_KERNEL_AMX: DYNAR_BF16_AMX, BF16_KERNEL_BFMMLA: DYNAR_BF16_ARM,
+                 BF16_KERNEL_AVX512: DYNAR_BF16_AVX512}
 # matmul's packed operands, kept between calls (pyx/_scratch.pxd): a layer's products are the
 # same sizes step after step.
 cdef Scratch _packed
@@ -193,10 +196,9 @@ def matmul(c, a, b, trans_a=False, trans_b=False, accumulate=False, kernel=None)
     # a as (m rows, depth k); b as its transpose, (n rows, depth k).
     cdef Py_ssize_t a_row = 1 if trans_a else k, a_depth = m if trans_a else 1
     cdef Py_ssize_t b_row = k if trans_b else 1, b_depth = 1 if trans_b else n
-    if tile_kernel == BF16_KERNEL_AVX512 or tile_kernel == BF16_KERNEL_AMX:
-        _matmul_panels(DYNAR_BF16_AMX if tile_kernel == BF16_KERNEL_AMX else DYNAR_BF16_AVX512,
-                       <float*> data(ca), <const float*> data(aa), <const float*> data(ba),
-                       m, n, k, a_row, a_depth, trans_b, accumulate)
+    if tile_kernel != BF16_KERNEL_PORTABLE:
+        _matmul_panels(PANEL_KERNELS[tile_kernel], <float*> data(ca), <const float*> data(aa),
+                       <const float*> data(ba), m, n, k, a_row, a_depth, trans_b, accumulate)
         return c
     # Both packed operands in the module's workspace, b's from a cache line on.
     cdef Py_ssize_t a_halves = (bf16_packed_size(m, k) + 31) // 32 * 32
@@ -223,8 +225,7 @@ def matmul(c, a, b, trans_a=False, trans_b=False, accumulate=False, kernel=None)
                                num_threads=threads_for(row_panels * blocks)):
                 q0 = unit % blocks * UNIT_PANELS
                 q1 = q0 + UNIT_PANELS if q0 + UNIT_PANELS < col_panels else col_panels
-                bf16_gemm_panel(cp, n, ap, bp, m, n, k, unit // blocks, q0, q1, add,
-                                tile_kernel)
+                bf16_gemm_panel(cp, n, ap, bp, m, n, k, unit // blocks, q0, q1, add)
     finally:
         scratch_give(&_packed, ap, private)
     return c

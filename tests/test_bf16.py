@@ -4,10 +4,9 @@ the layers computing on bf16 operands, whole models against PyTorch's autocast, 
 
 Most tests here need no bf16 instructions: the layers' bf16 path is the portable one (float32
 kernels on bf16-rounded operands), which DYNAR_BF16_ANY_CPU runs on any CPU, and the bf16
-GEMM's portable kernel shares its packing with the BFMMLA one. A kernel this CPU cannot run
-is skipped, naming the instructions it needs (BFMMLA runs under `qemu-aarch64 -cpu max` in
-the ARM check, docs/ARM.md; the convolutions' AMX and AVX512_BF16 kernels on such an x86
-CPU, each of them where it has both)."""
+GEMM's portable kernel, the reference for the others. A kernel this CPU cannot run is
+skipped, naming the instructions it needs (BFMMLA runs under `qemu-aarch64 -cpu max` in the
+ARM check, docs/ARM.md; AMX and AVX512_BF16 on such an x86 CPU)."""
 import json
 import os
 import platform

@@ -6,10 +6,9 @@ path) and accumulates in float32. Everything else stays float32: parameters and 
 gradients, the optimizer, the gradient allreduce, BatchNorm, the loss. bf16 keeps float32's
 exponent range, so gradients need no loss scaling (docs/DESIGN.md, "Precision").
 
-Where this CPU runs a bf16 GEMM kernel (kernels/bf16.matmul: BFMMLA on aarch64), fully
-connected layers compute on it, from bf16 operands it packs itself; where it has AMX,
-AVX512_BF16 or aarch64's BFMMLA, im2col's, Winograd's and the per-tap GEMMs' products run on
-it (kernels/conv.bf16_kernel, include/panel_gemm_bf16.h), rounding what they read. Elsewhere the rounded
+Where this CPU has AMX, AVX512_BF16 or aarch64's BFMMLA, the products of im2col, Winograd,
+the per-tap GEMMs (kernels/conv.bf16_kernel) and fully connected layers (kernels/bf16.matmul)
+run on it (include/panel_gemm_bf16.h), rounding what they read. Elsewhere the rounded
 operands are float32 arrays holding bf16 values, which the float32 kernels multiply exactly
 as bf16 dot-product instructions do (a product of two bf16 values is exact in float32): the
 portable path, correct on any CPU, at float32 speed (docs/notes/2026-12-05-bf16-numerics.md).
