@@ -499,15 +499,17 @@ BF16_INLINE void bf16_bfmmla_block(float *restrict c, ptrdiff_t ldc,
             acc[i][j] = vcombine_f32(vld1_f32(&t[2 * i][2 * j]),
                                      vld1_f32(&t[2 * i + 1][2 * j]));
     for (ptrdiff_t q = 0; q < quads; q += 2) {
-        /* A row's quads q and q + 1: its 4 units from pair 2q on. */
-        const uint32_t *units = panel + 2 * q / BF16_BLOCK_PAIRS * BF16_BLOCK_PAIRS
-                                            * BF16_PANEL_ROWS + 2 * q % BF16_BLOCK_PAIRS;
+        /* A row's quads q and q + 1: its 4 units from pair 2q on, read as the halves the
+         * packers store (one access type for the panels on this path). */
+        const uint16_t *units = (const uint16_t *) (
+            panel + 2 * q / BF16_BLOCK_PAIRS * BF16_BLOCK_PAIRS * BF16_PANEL_ROWS
+            + 2 * q % BF16_BLOCK_PAIRS);
         bfloat16x8_t a[2][4];
         for (int i = 0; i < 4; i++) {
-            const uint64x2_t even = vreinterpretq_u64_u32(
-                vld1q_u32(units + 2 * i * BF16_BLOCK_PAIRS));
-            const uint64x2_t odd = vreinterpretq_u64_u32(
-                vld1q_u32(units + (2 * i + 1) * BF16_BLOCK_PAIRS));
+            const uint64x2_t even = vreinterpretq_u64_u16(
+                vld1q_u16(units + 2 * 2 * i * BF16_BLOCK_PAIRS));
+            const uint64x2_t odd = vreinterpretq_u64_u16(
+                vld1q_u16(units + 2 * (2 * i + 1) * BF16_BLOCK_PAIRS));
             a[0][i] = vreinterpretq_bf16_u64(vzip1q_u64(even, odd));
             a[1][i] = vreinterpretq_bf16_u64(vzip2q_u64(even, odd));
         }
