@@ -7,8 +7,9 @@
 # workspace for the panels when it is on and describes each operand with weights_operand:
 # w (rows, cols) row-major, or its transpose. Without panels (NULL) the products run on BLAS
 # with w itself, so one call site serves both. In bf16 (ConvCall.bf16: --precision bf16 on a
-# CPU with AVX512_BF16, AMX or aarch64's BFMMLA) the panels are bf16 (include/panel_gemm_bf16.h) and the
-# products read the other operand rounded to bf16, summing in float32.
+# CPU with AVX512_BF16, AMX or aarch64's BFMMLA) the panels are bf16
+# (include/panel_gemm_bf16.h) and the products read the other operand rounded to bf16,
+# summing in float32.
 from cython cimport floating
 from libc.stdint cimport uint16_t
 
