@@ -43,7 +43,7 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None, precision="fp32"):
             _time_calls(module, timed)
 
     def step():
-        model.zero_grad()
+        model.zero_grad(lazy=True)
         crit.forward(model.forward(x), y)
         model.backward(crit.backward())
         opt.step()

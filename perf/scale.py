@@ -139,7 +139,7 @@ def profile(name, variant=None, batch=PER_RANK_BATCH, threads=1, steps=10, warmu
         for i in range(warmup + steps):
             marks.clear()
             t0 = time.perf_counter()
-            model.zero_grad()
+            model.zero_grad(lazy=True)
             crit.forward(model.forward(x), y)
             t1 = time.perf_counter()
             model.backward(crit.backward())

@@ -39,7 +39,7 @@ def measure(name, variant, job, rounds):
             dp._decide = (lambda loss, stop, ranges: (stop, None, False)) \
                 if kind == "without" else decide
             t0 = time.perf_counter()
-            model.zero_grad()
+            model.zero_grad(lazy=True)
             loss = crit.forward(model.forward(x), y)
             model.backward(crit.backward())
             dp.step(loss)

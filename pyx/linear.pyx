@@ -2,8 +2,8 @@
 
     forward:      y  (N, out)  = x (N, in) @ w^T (in, out)        [+ b]
     input grad:   dx (N, in)   = dy (N, out) @ w (out, in)
-    weight grad:  dw (out, in) += dy^T (out, N) @ x (N, in)
-    bias grad:    db (out,)    += column sums of dy
+    weight grad:  dw (out, in) += dy^T (out, N) @ x (N, in)   (= with accumulate off)
+    bias grad:    db (out,)    += column sums of dy            (= with accumulate off)
 
 Parallelism: BLAS is held to one thread (dynar/kernels/__init__.py), so each product's output
 is cut into blocks of rows or of columns, and OpenMP threads run one single-threaded GEMM per
@@ -77,15 +77,15 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     const floating* x, const floating* w,
                     Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out,
                     int dx_axis, Py_ssize_t dx_width,
-                    int dw_axis, Py_ssize_t dw_width) noexcept nogil:
+                    int dw_axis, Py_ssize_t dw_width, bint accumulate) noexcept nogil:
     """dx: (N, In) or NULL; dw: (Out, In); db: (Out,) or NULL; dy: (N, Out); x: (N, In);
-    w: (Out, In)."""
+    w: (Out, In). dw and db are added to, or overwritten when not accumulate."""
     cdef Py_ssize_t blocks, blk, o0, o1, o
+    cdef floating keep = 1 if accumulate else 0     # BLAS reads no c at beta 0
     if dx != NULL:
         _cut_gemm(dx_axis, dx_width, False, False, N, In, Out, dy, Out, w, In,
                   <floating> 0, dx, In)
-    _cut_gemm(dw_axis, dw_width, True, False, Out, In, N, dy, Out, x, In,
-              <floating> 1, dw, In)
+    _cut_gemm(dw_axis, dw_width, True, False, Out, In, N, dy, Out, x, In, keep, dw, In)
     if db == NULL:
         return
     blocks = (Out + DB_BLOCK - 1) // DB_BLOCK
@@ -93,7 +93,10 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         o0 = blk * DB_BLOCK
         o1 = o0 + DB_BLOCK if o0 + DB_BLOCK <= Out else Out
         for o in range(o0, o1):
-            db[o] += <floating> runs_sum(dy + o, N, Out, 1)
+            if accumulate:
+                db[o] += <floating> runs_sum(dy + o, N, Out, 1)
+            else:       # never keep * db[o]: a stale NaN there would survive the 0
+                db[o] = <floating> runs_sum(dy + o, N, Out, 1)
 
 
 cdef void _check_cut(str name, object cut, int* axis, Py_ssize_t* width) except *:
@@ -159,11 +162,13 @@ def linear_forward(y, x, w, b=None, cut=DEFAULT_CUT):
                      axis, width)
 
 
-def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_CUT):
+def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_CUT,
+                    accumulate=True):
     """Gradients of linear_forward given dy (N, out).
 
     dx (N, in) is overwritten (None skips the input gradient, as for a first layer);
-    dw (out, in) and db (out,) are accumulated into (+=); db may be None. dx_cut: (ROWS,
+    dw (out, in) and db (out,) are accumulated into (+=), or overwritten when `accumulate`
+    is false (whatever they held, NaN included, is never read); db may be None. dx_cut: (ROWS,
     width) blocks of the batch or (COLS, width) of input features per thread; dw_cut: (ROWS,
     width) of output features or (COLS, width) of input features."""
     cdef FloatKind kind
@@ -195,10 +200,12 @@ def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_
     cdef void* xp = data(xa)
     cdef void* wp = data(wa)
     cdef Py_ssize_t n = N, i = In, o = Out
+    cdef bint keep_dw = accumulate
     with nogil:
         if kind == F32:
             _backward(<float*> dxp, <float*> dwp, <float*> dbp, <float*> dyp, <float*> xp,
-                      <float*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width)
+                      <float*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width, keep_dw)
         else:
             _backward(<double*> dxp, <double*> dwp, <double*> dbp, <double*> dyp,
-                      <double*> xp, <double*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width)
+                      <double*> xp, <double*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width,
+                      keep_dw)

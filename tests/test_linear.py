@@ -60,6 +60,20 @@ def test_linear_backward_accumulates_and_skips_dx(rng):
     np.testing.assert_allclose(dw, 2 * dy.T @ x + 1, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_linear_backward_without_accumulate_overwrites_and_never_reads(dtype, rng):
+    # dw wide and deep enough for several GEMM blocks; NaN where the old values were.
+    x = rng.standard_normal((6, 70)).astype(dtype)
+    w = rng.standard_normal((130, 70)).astype(dtype)
+    dy = rng.standard_normal((6, 130)).astype(dtype)
+    dw, db = np.full_like(w, np.nan), np.full(130, np.nan, dtype)
+    linear.linear_backward(None, dw, db, dy, x, w, accumulate=False)
+    added_w, added_b = np.zeros_like(w), np.zeros(130, dtype)
+    linear.linear_backward(None, added_w, added_b, dy, x, w)
+    np.testing.assert_array_equal(dw, added_w)
+    np.testing.assert_array_equal(db, added_b)
+
+
 def _random_parity_cases(count, seed=7):
     rng = np.random.default_rng(seed)
     return [(int(rng.integers(1, 17)), int(rng.integers(1, 150)), int(rng.integers(1, 150)),

@@ -327,6 +327,55 @@ def test_gradients_accumulate_until_zero_grad():
     assert not net.flat_grads.any()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_lazy_zero_grad_gives_the_eager_gradients_whatever_was_there(precision):
+    # ResNet-18 (convolutions, BatchNorm, a fully connected head); two backwards after one
+    # zero_grad, as accumulated micro-batches. The lazy model starts from NaN gradients.
+    from dynar.models import get
+    from dynar.nn.precision import set_precision
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    grads = {}
+    for lazy in (False, True):
+        model = get("resnet18", num_classes=10, variant="cifar", seed=3)
+        set_precision(model, precision)
+        model.flat_grads.fill(np.nan)
+        model.zero_grad(lazy=lazy)
+        for _ in range(2):
+            y = model.forward(x)
+            model.backward(np.ones_like(y))
+        grads[lazy] = model.flat_grads.copy()
+    assert np.isfinite(grads[False]).all()
+    np.testing.assert_array_equal(grads[True], grads[False])
+
+
+class _HalfUsed(nn.Module):
+    """Two fully connected layers, only one of which forward and backward use."""
+
+    def __init__(self, g):
+        super().__init__()
+        self.used = nn.Linear(4, 3, generator=g)
+        self.unused = nn.Linear(4, 3, generator=g)
+
+    def forward(self, x):
+        return self.used.forward(x)
+
+    def backward(self, dy):
+        return self.used.backward(dy)
+
+
+def test_lazy_zero_grad_zeroes_the_layers_backward_did_not_reach():
+    from dynar.models.base import Model
+    g = np.random.default_rng(0)
+    model = Model(OrderedDict(head=_HalfUsed(g)), (4,), g)
+    model.flat_grads.fill(np.nan)
+    model.zero_grad(lazy=True)
+    x = np.ones((2, 4), np.float32)
+    model.backward(np.ones_like(model.forward(x)))
+    assert not model.head.unused.weight.grad.any() and not model.head.unused.bias.grad.any()
+    np.testing.assert_allclose(model.head.used.weight.grad, np.full((3, 4), 2.0))
+    np.testing.assert_allclose(model.head.used.bias.grad, np.full(3, 2.0))
+
+
 def test_first_layer_skips_input_gradient_when_input_is_data():
     net = small_net()
     x = np.zeros((2, 2, 4, 4), np.float32)

@@ -4,7 +4,7 @@ on every rank of a job.
     job = Job.start()                      # MPI_COMM_WORLD under mpiexec, else a job of one
     with DataParallel(model, opt, job) as dp:
         for x, y in batches:               # each rank its own share of the global batch
-            model.zero_grad()
+            model.zero_grad(lazy=True)
             loss = crit.forward(model.forward(x), y)
             model.backward(crit.backward())   # gradients are averaged while this runs
             dp.step(loss)                  # the rest of the averaging, then the update

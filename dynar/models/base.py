@@ -28,6 +28,7 @@ class Model(Sequential):
         self.set_input_requires_grad(False)
         self.flatten_parameters()
         self.step_arena = StepArena()
+        self._parameter_layers = tuple(m for m in self.modules() if m._parameters)
 
     def forward(self, x):
         arena = self.step_arena
@@ -42,3 +43,9 @@ class Model(Sequential):
         elif self._arena is not None:
             self.use_arena(None)
         return super().forward(x)
+
+    def backward(self, dy):
+        dx = super().backward(dy)
+        for layer in self._parameter_layers:   # lazily zeroed, and not reached
+            layer._zero_stale_grads()
+        return dx

@@ -73,6 +73,7 @@ class BatchNorm2d(Module):
     def backward(self, dy):
         # d(input) is always computed: a BatchNorm is never a model's first layer here.
         dx = self._grad_buffer(self._x.shape)
+        self._zero_stale_grads()
         if self._group is None:
             batchnorm2d_backward(dx, self.weight.grad, self.bias.grad, dy, self._x,
                                  self.weight.data, self._mean, self._invstd, self._batch_stats)

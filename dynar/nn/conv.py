@@ -84,6 +84,7 @@ class Conv2d(Bf16Operands, Module):
             dx = self._grad_buffer(self._x_shape)
         db = None if self.bias is None else self.bias.grad
         dyr, xr, w, scratch = self._backward_operands(dy, self._x)
+        self._zero_stale_grads()
         self._run_backward(dx, self.weight.grad, db, dyr, xr, w, self.stride, self.padding,
                            bf16=self.precision == "bf16")
         self._give_back(scratch)

@@ -2,7 +2,9 @@
 
 No autograd tape: `forward(x)` runs the layer and keeps what its own backward needs,
 `backward(dy)` consumes that and returns d(input). A model's backward calls its children's in
-reverse. Parameter gradients are accumulated (+=) until `zero_grad()`.
+reverse. Parameter gradients are accumulated (+=) until `zero_grad()`; after
+`zero_grad(lazy=True)` the next backward writes them (=) instead, which spares a pass over
+all of them (for AlexNet 20M floats, 7% of its step).
 
 Arrays a layer returns are reused buffers, never allocated per step (that would cost more
 than LeNet's whole step): a layer alone keeps its own, reused on the next call; the layers of
@@ -49,6 +51,8 @@ class Module:
     # The attributes holding what forward keeps for backward (its input, its output, ...):
     # dropped once the layer's backward has run in a model, so their memory can go.
     _keeps = ()
+    # True on a layer with parameters from zero_grad(lazy=True) until its next backward.
+    _grads_stale = False
 
     def __init__(self):
         object.__setattr__(self, "_parameters", {})
@@ -129,6 +133,21 @@ class Module:
         for m in self.modules():
             object.__setattr__(m, "_arena", arena)
         return self
+
+    def _overwrite_grads(self):
+        """Called once by a layer's backward before it writes its parameter gradients:
+        True when zero_grad(lazy=True) came first, so they are to be overwritten, not
+        added to. From then on they hold this backward's values."""
+        stale = self._grads_stale
+        self._grads_stale = False
+        return stale
+
+    def _zero_stale_grads(self):
+        """_overwrite_grads() for a backward whose kernels can only add: the zeroing a lazy
+        zero_grad() put off, done here, one layer's gradients at a time."""
+        if self._overwrite_grads():
+            for p in self._parameters.values():
+                p.grad.fill(0)
 
     def _grad_ready(self):
         """Called by a layer's backward once its parameter gradients are final."""
@@ -259,7 +278,17 @@ class Module:
             raise RuntimeError(f"{what}: call flatten_parameters() on the model first "
                                "(models from dynar.models are flattened when built)")
 
-    def zero_grad(self):
+    def zero_grad(self, lazy=False):
+        """Every parameter gradient to zero. lazy: not now, but by the next backward, each
+        layer overwriting its gradients instead of adding to them (a dynar.models Model's
+        backward zeroes those of layers it did not reach). Until that backward the
+        gradients hold stale values: read them after it, as PyTorch's after
+        zero_grad(set_to_none=True)."""
+        for m in self.modules():
+            if m._parameters:
+                m._grads_stale = bool(lazy)
+        if lazy:
+            return
         if self.flat_grads is not None:
             self.flat_grads.fill(0)
         else:

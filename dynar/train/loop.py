@@ -103,7 +103,7 @@ class Trainer:
         every one but the last without gradient sync, then clipping and the update."""
         t0 = time.perf_counter()
         model, micro = self.model, self.cfg.accumulate
-        model.zero_grad()
+        model.zero_grad(lazy=True)
         size, loss, spans = len(y) // micro, 0.0, []
         for k in range(micro):
             part = slice(k * size, (k + 1) * size)
