@@ -19,6 +19,8 @@ cdef extern from "panel_gemm.h" nogil:
     enum:
         PANEL_GEMM_PREFERRED
         PANEL_ROWS
+        PANEL_VECTORS
+        PANEL_VECTOR_BYTES
     Py_ssize_t panel_size(Py_ssize_t m, Py_ssize_t k)
     Py_ssize_t panel_count(Py_ssize_t m)
     Py_ssize_t panel_offset(Py_ssize_t i, Py_ssize_t j, Py_ssize_t k)

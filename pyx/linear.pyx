@@ -14,6 +14,11 @@ large operand per block; cutting along the batch keeps every thread busy where w
 rows than a block (a 10-class head). nn/kernel_tuning.py times the cuts per layer shape.
 Block boundaries depend on the shapes and the cut only, never on the thread count, so every
 thread count makes the same GEMM calls and gets bitwise equal results.
+
+dx can also run on dynar's panel GEMM (include/panel_gemm.h), cut PANELS: dy, a few rows
+deep, is packed once, and w is the GEMM's right operand read in place, so each block of
+dx's columns streams its slice of w once, where a BLAS call packs it first. Blocks are
+`width` columns rounded up to whole strips of the GEMM (48 floats with AVX-512).
 """
 from cython cimport floating
 from cython.parallel cimport prange
@@ -22,21 +27,29 @@ cimport numpy as cnp
 
 from _blas cimport gemm
 from _lane_sums cimport runs_sum
+from _panels cimport (PANEL_VECTOR_BYTES, PANEL_VECTORS, panel_count, panel_gemm_d,
+                      panel_gemm_f, panel_pack_d, panel_pack_f, panel_size)
 from _parallel cimport threads_for
+from _scratch cimport Scratch, scratch_give, scratch_take
 from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_float, check_shape,
                         data, float_kind)
+
+from dynar.kernels.conv import panel_block_bytes
 
 cnp.import_array()
 
 cdef enum:
     BY_ROWS = 0
     BY_COLS = 1
-ROWS, COLS = BY_ROWS, BY_COLS
+    ON_PANELS = 2
+ROWS, COLS, PANELS = BY_ROWS, BY_COLS, ON_PANELS
 # The cut each product had before tuning, and keeps with DYNAR_KERNEL_TUNE=0: along w in
 # blocks of 64 (each block's GEMM re-packs the operand all blocks share, 1/64 of its work).
 DEFAULT_CUT = (COLS, 64)
 DEFAULT_DW_CUT = (ROWS, 64)
 DEF DB_BLOCK = 64
+
+cdef Scratch _packed    # dy in row panels, for dx's PANELS cut
 
 
 cdef void _cut_gemm(int axis, Py_ssize_t width, bint trans_a, bint trans_b,
@@ -60,6 +73,31 @@ cdef void _cut_gemm(int axis, Py_ssize_t width, bint trans_a, bint trans_b,
                  b + (s * ldb if trans_b else s), <int> ldb, beta, c + s, <int> ldc)
 
 
+cdef void _panel_dx(floating* dx, floating* panels, const floating* dy, const floating* w,
+                    Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out, Py_ssize_t width,
+                    Py_ssize_t block_bytes) noexcept nogil:
+    """dx (N, In) = dy (N, Out) @ w (Out, In) on the panel GEMM: dy packed into `panels`
+    (panel_size(N, Out)), then blocks of `width` columns of dx rounded up to whole strips,
+    shared among threads."""
+    cdef Py_ssize_t strip = PANEL_VECTORS * (PANEL_VECTOR_BYTES // sizeof(floating))
+    cdef Py_ssize_t cols = (width + strip - 1) // strip * strip
+    cdef Py_ssize_t rows = panel_count(N), blocks = (In + cols - 1) // cols
+    cdef Py_ssize_t p, blk, j0
+    for p in prange(rows, schedule="static", num_threads=threads_for(rows)):
+        if floating is float:
+            panel_pack_f(panels, dy, N, Out, Out, 1, p, p + 1)
+        else:
+            panel_pack_d(panels, dy, N, Out, Out, 1, p, p + 1)
+    for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        j0 = blk * cols
+        if floating is float:
+            panel_gemm_f(dx + j0, In, panels, N, Out, w + j0, In,
+                         cols if j0 + cols <= In else In - j0, NULL, block_bytes)
+        else:
+            panel_gemm_d(dx + j0, In, panels, N, Out, w + j0, In,
+                         cols if j0 + cols <= In else In - j0, NULL, block_bytes)
+
+
 cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
                    Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out,
                    int axis, Py_ssize_t width) noexcept nogil:
@@ -77,12 +115,16 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                     const floating* x, const floating* w,
                     Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out,
                     int dx_axis, Py_ssize_t dx_width,
-                    int dw_axis, Py_ssize_t dw_width, bint accumulate) noexcept nogil:
+                    int dw_axis, Py_ssize_t dw_width, bint accumulate,
+                    floating* panels, Py_ssize_t block_bytes) noexcept nogil:
     """dx: (N, In) or NULL; dw: (Out, In); db: (Out,) or NULL; dy: (N, Out); x: (N, In);
-    w: (Out, In). dw and db are added to, or overwritten when not accumulate."""
+    w: (Out, In). dw and db are added to, or overwritten when not accumulate. panels:
+    panel_size(N, Out) of workspace where dx's cut is PANELS."""
     cdef Py_ssize_t blocks, blk, o0, o1, o
     cdef floating keep = 1 if accumulate else 0     # BLAS reads no c at beta 0
-    if dx != NULL:
+    if dx != NULL and dx_axis == ON_PANELS:
+        _panel_dx(dx, panels, dy, w, N, In, Out, dx_width, block_bytes)
+    elif dx != NULL:
         _cut_gemm(dx_axis, dx_width, False, False, N, In, Out, dy, Out, w, In,
                   <floating> 0, dx, In)
     _cut_gemm(dw_axis, dw_width, True, False, Out, In, N, dy, Out, x, In, keep, dw, In)
@@ -99,13 +141,16 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 db[o] = <floating> runs_sum(dy + o, N, Out, 1)
 
 
-cdef void _check_cut(str name, object cut, int* axis, Py_ssize_t* width) except *:
+cdef void _check_cut(str name, object cut, int* axis, Py_ssize_t* width,
+                     bint panels=False) except *:
+    ways = "ROWS, COLS or PANELS" if panels else "ROWS or COLS"
     try:
         a, w = cut
     except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected (ROWS or COLS, width), got {cut!r}") from None
-    if a not in (ROWS, COLS) or not isinstance(w, int) or w < 1:
-        raise ValueError(f"{name}: expected (ROWS or COLS, width >= 1), got {cut!r}")
+        raise ValueError(f"{name}: expected ({ways}, width), got {cut!r}") from None
+    if a not in ((ROWS, COLS, PANELS) if panels else (ROWS, COLS)) or not isinstance(w, int) \
+            or w < 1:
+        raise ValueError(f"{name}: expected ({ways}, width >= 1), got {cut!r}")
     axis[0], width[0] = a, w
 
 
@@ -169,12 +214,13 @@ def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_
     dx (N, in) is overwritten (None skips the input gradient, as for a first layer);
     dw (out, in) and db (out,) are accumulated into (+=), or overwritten when `accumulate`
     is false (whatever they held, NaN included, is never read); db may be None. dx_cut: (ROWS,
-    width) blocks of the batch or (COLS, width) of input features per thread; dw_cut: (ROWS,
-    width) of output features or (COLS, width) of input features."""
+    width) blocks of the batch or (COLS, width) of input features per thread, or (PANELS,
+    width) input features on the panel GEMM; dw_cut: (ROWS, width) of output features or
+    (COLS, width) of input features."""
     cdef FloatKind kind
     cdef int dx_axis, dw_axis
     cdef Py_ssize_t dx_width, dw_width
-    _check_cut("dx_cut", dx_cut, &dx_axis, &dx_width)
+    _check_cut("dx_cut", dx_cut, &dx_axis, &dx_width, panels=True)
     _check_cut("dw_cut", dw_cut, &dw_axis, &dw_width)
     xa, wa, dba, N, In, Out = _check_linear("db", x, w, db, &kind, bias_output=True)
     dya = check_float("dy", dy, 2, kind)
@@ -201,11 +247,22 @@ def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_
     cdef void* wp = data(wa)
     cdef Py_ssize_t n = N, i = In, o = Out
     cdef bint keep_dw = accumulate
-    with nogil:
-        if kind == F32:
-            _backward(<float*> dxp, <float*> dwp, <float*> dbp, <float*> dyp, <float*> xp,
-                      <float*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width, keep_dw)
-        else:
-            _backward(<double*> dxp, <double*> dwp, <double*> dbp, <double*> dyp,
-                      <double*> xp, <double*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width,
-                      keep_dw)
+    cdef bint private = False
+    cdef void* panels = NULL
+    cdef Py_ssize_t block = 0
+    if dxa is not None and dx_axis == ON_PANELS:
+        block = panel_block_bytes()
+        panels = scratch_take(&_packed, panel_size(N, Out) * (<object> dya).itemsize, &private)
+    try:
+        with nogil:
+            if kind == F32:
+                _backward(<float*> dxp, <float*> dwp, <float*> dbp, <float*> dyp, <float*> xp,
+                          <float*> wp, n, i, o, dx_axis, dx_width, dw_axis, dw_width, keep_dw,
+                          <float*> panels, block)
+            else:
+                _backward(<double*> dxp, <double*> dwp, <double*> dbp, <double*> dyp,
+                          <double*> xp, <double*> wp, n, i, o, dx_axis, dx_width, dw_axis,
+                          dw_width, keep_dw, <double*> panels, block)
+    finally:
+        if panels != NULL:
+            scratch_give(&_packed, panels, private)

@@ -141,7 +141,29 @@ def test_every_cut_computes_the_products_and_thread_counts_agree_bitwise(cut, rn
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cut", [(2, 64), (linear.ROWS, 0), (linear.COLS, -1), "rows",
+@pytest.mark.parametrize("width", [1, 48, 100, 1000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dx_on_the_panel_gemm_is_the_product_and_thread_counts_agree_bitwise(width, dtype,
+                                                                           rng):
+    # N = 11 leaves a partial row panel, in = 130 partial strips; widths below, at and past
+    # a strip's 48 floats (AVX-512), and past in (one block).
+    x = rng.standard_normal((11, 130)).astype(dtype)
+    w = rng.standard_normal((70, 130)).astype(dtype)
+    dy = rng.standard_normal((11, 70)).astype(dtype)
+
+    def run():
+        dx, dw = np.full_like(x, np.nan), np.zeros_like(w)
+        linear.linear_backward(dx, dw, None, dy, x, w, dx_cut=(linear.PANELS, width))
+        return dx
+
+    one, two = at_thread_counts(run)
+    np.testing.assert_array_equal(one, two)
+    want = dy.astype(np.float64) @ w.astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(one, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cut", [(linear.PANELS, 64), (3, 64), (linear.ROWS, 0), (linear.COLS, -1), "rows",
                                  (linear.ROWS, 64.0), None])
 def test_a_bad_cut_is_refused_by_name(cut):
     x, w = np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32)
@@ -150,6 +172,10 @@ def test_a_bad_cut_is_refused_by_name(cut):
         linear.linear_forward(y, x, w, None, cut)
     with pytest.raises(ValueError, match="^dw_cut"):
         linear.linear_backward(None, np.zeros_like(w), None, dy, x, w, dw_cut=cut)
+    if cut != (linear.PANELS, 64):     # dx alone runs on the panel GEMM
+        with pytest.raises(ValueError, match="^dx_cut"):
+            linear.linear_backward(np.zeros_like(x), np.zeros_like(w), None, dy, x, w,
+                                   dx_cut=cut)
 
 
 def test_linear_errors_name_the_argument():

@@ -7,7 +7,7 @@ that supports it runs forward + backward a few times on scratch arrays (in bf16,
 layer runs them); the fastest is kept, but one that would displace the thresholds' choice
 is first timed again in turns with it. Fully connected layers: each of the three products
 (y, dx, dw) is timed cut among threads along each of its two axes in blocks of each width of
-CUT_WIDTHS (nn/linear.py's plan); in bf16 on a CPU with a bf16 GEMM kernel the layer runs
+CUT_WIDTHS (nn/linear.py's plan), dx also on dynar's panel GEMM; in bf16 on a CPU with a bf16 GEMM kernel the layer runs
 kernels.bf16.matmul instead, which does not use the cuts. Results are cached in a file per
 machine and thread count (CPU model, ISA, dynar's kernel build), in
 $DYNAR_KERNEL_CACHE or ~/.cache/dynar/kernels, so a shape is timed once per machine;
@@ -31,7 +31,7 @@ from ..kernels import conv, direct, im2col, linear as linear_kernels, tapgemm, w
 from ..kernels.bf16 import round_to_bf16
 from . import conv_algorithms
 from .conv import Conv2d as ConvLayer
-from .linear import AXES, DEFAULT_PLAN, Linear, parse_plan
+from .linear import AXES, DEFAULT_PLAN, ROWS, Linear, parse_plan
 
 _FORMAT, _VERSION = "dynar-kernel-choices", 1
 REPEATS = 3
@@ -210,7 +210,8 @@ def time_cuts(x_shape, layer, repeats=REPEATS):
         for along, axis in axes.items():
             blocks_seen = set()
             for width in CUT_WIDTHS:
-                blocks = -(-extents[product][axis] // width)
+                # ROWS splits the output's rows; COLS and PANELS its columns
+                blocks = -(-extents[product][0 if axis == ROWS else 1] // width)
                 if blocks in blocks_seen:
                     continue
                 blocks_seen.add(blocks)

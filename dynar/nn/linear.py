@@ -2,8 +2,8 @@
 import numpy as np
 
 from ..kernels.bf16 import matmul
-from ..kernels.linear import (COLS, DEFAULT_CUT, DEFAULT_DW_CUT, ROWS, linear_backward,
-                              linear_forward)
+from ..kernels.linear import (COLS, DEFAULT_CUT, DEFAULT_DW_CUT, PANELS, ROWS,
+                              linear_backward, linear_forward)
 from . import init, precision
 from .module import Module
 from .parameter import Parameter
@@ -11,9 +11,10 @@ from .precision import Bf16Operands
 
 # How each product's output is cut among threads (pyx/linear.pyx), by what the blocks
 # run along: y = x w^T by batch rows or output features, dx = dy w by batch rows or input
-# features, dw = dy^T x by output or input features.
+# features (on BLAS, or on dynar's panel GEMM: "panels"), dw = dy^T x by output or input
+# features.
 AXES = {"y": {"batch": ROWS, "out": COLS},
-        "dx": {"batch": ROWS, "in": COLS},
+        "dx": {"batch": ROWS, "in": COLS, "panels": PANELS},
         "dw": {"out": ROWS, "in": COLS}}
 
 
@@ -38,8 +39,8 @@ def parse_plan(plan):
         if product not in AXES or product in cuts or along not in AXES[product] \
                 or not width.isdigit() or int(width) < 1:
             raise ValueError(f"Linear.plan: expected e.g. {DEFAULT_PLAN!r} (y along batch or "
-                             f"out, dx along batch or in, dw along out or in, a width >= 1), "
-                             f"got {plan!r}")
+                             f"out, dx along batch, in or panels, dw along out or in, a width "
+                             f">= 1), got {plan!r}")
         cuts[product] = (AXES[product][along], int(width))
     if set(cuts) != set(AXES):
         raise ValueError(f"Linear.plan: {plan!r} misses {sorted(set(AXES) - set(cuts))}")
