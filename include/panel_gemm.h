@@ -25,7 +25,8 @@
  * on the stack, which every panel then sweeps: rows of b read in place lie a row stride apart,
  * a cache line or two each, and reading them again for every panel costs 10-25% against
  * reading the strip (docs/notes/2026-12-05-avx2-panel-gemm.md). Columns
- * past the last whole strip are read in place. */
+ * past the last whole strip are read in place. A transposed b (a fully connected layer's
+ * weights, rows of depth) is transposed into every strip, the last one zero-padded. */
 #ifndef DYNAR_PANEL_GEMM_H
 #define DYNAR_PANEL_GEMM_H
 #include <stddef.h>
@@ -82,6 +83,47 @@ static inline ptrdiff_t panel_offset(ptrdiff_t i, ptrdiff_t j, ptrdiff_t k)
 {
     return ((i / PANEL_ROWS) * k + j) * PANEL_ROWS + i % PANEL_ROWS;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* dst's rows 0..15 (a row stride of ldd) = columns 0..15 of src's 16 x 16 block: pairs,
+ * then quads, then 4- and 8-float halves swapped in three rounds of shuffles. */
+static inline void panel_transpose16(float *restrict dst, ptrdiff_t ldd,
+                                     const float *restrict src, ptrdiff_t lds)
+{
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_loadu_ps(src + i * lds);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = (__m512) _mm512_unpacklo_pd((__m512d) t[i], (__m512d) t[i + 2]);
+        r[i + 1] = (__m512) _mm512_unpackhi_pd((__m512d) t[i], (__m512d) t[i + 2]);
+        r[i + 2] = (__m512) _mm512_unpacklo_pd((__m512d) t[i + 1], (__m512d) t[i + 3]);
+        r[i + 3] = (__m512) _mm512_unpackhi_pd((__m512d) t[i + 1], (__m512d) t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int q = 0; q < 4; q++) {
+            t[i + q] = _mm512_shuffle_f32x4(r[i + q], r[i + q + 4], 0x88);
+            t[i + q + 4] = _mm512_shuffle_f32x4(r[i + q], r[i + q + 4], 0xdd);
+        }
+    for (int q = 0; q < 8; q++) {
+        r[q] = _mm512_shuffle_f32x4(t[q], t[q + 8], 0x88);
+        r[q + 8] = _mm512_shuffle_f32x4(t[q], t[q + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; i++)
+        _mm512_storeu_ps(dst + i * ldd, r[i]);
+}
+#define PANEL_TRANSPOSE16 1
+/* Only reached for float: the double instantiation's branch is dead (8 lanes). */
+#define PANEL_TRANSPOSE16_CALL(dst, ldd, src, lds) \
+    panel_transpose16((float *) (dst), ldd, (const float *) (src), lds)
+#else
+#define PANEL_TRANSPOSE16 0
+#define PANEL_TRANSPOSE16_CALL(dst, ldd, src, lds) ((void) 0)
+#endif
 
 #define DYNAR_PANEL_GEMM(REAL, SUFFIX)                                                       \
 typedef REAL panel_vec_##SUFFIX __attribute__((vector_size(PANEL_VECTOR_BYTES)));            \
@@ -186,13 +228,34 @@ PANEL_INLINE void panel_narrow_block_##SUFFIX(REAL *restrict c, ptrdiff_t ldc,  
                              tail);                                                          \
 }                                                                                            \
                                                                                              \
-/* c (m, n) = a (m, k) @ b (k, n) [+ bias (m,) on every column], row-major; a packed by      \
- * panel_pack; a panel's part of one pass over c fills at most block_bytes. k == 0 leaves    \
- * c = bias (or zero). */                                                                    \
+/* A pass's strip when op(b) = b^T, b holding n rows of depth k (a fully connected layer's   \
+ * weights): rows [0, cols) of b (from the strip's first column and the pass's first depth)  \
+ * written as kd rows of WIDTH columns, the columns past cols zero. Whole strips go by       \
+ * 16 x 16 float transposes where AVX-512 has them, the rest element by element. */        \
+static void panel_strip_transposed_##SUFFIX(REAL *restrict strip, const REAL *restrict b,     \
+                                            ptrdiff_t ldb, ptrdiff_t kd, ptrdiff_t cols)     \
+{                                                                                            \
+    enum { LANES = PANEL_VECTOR_BYTES / sizeof(REAL), WIDTH = PANEL_VECTORS * LANES };      \
+    ptrdiff_t done = 0;                                                                      \
+    if (PANEL_TRANSPOSE16 && LANES == 16 && cols == WIDTH) {                                 \
+        done = kd / 16 * 16;                                                                 \
+        for (ptrdiff_t j = 0; j < done; j += 16)                                             \
+            for (int v = 0; v < PANEL_VECTORS; v++)                                          \
+                PANEL_TRANSPOSE16_CALL(strip + j * WIDTH + v * 16, WIDTH,                    \
+                                       b + v * 16 * ldb + j, ldb);                           \
+    }                                                                                        \
+    for (ptrdiff_t col = 0; col < WIDTH; col++)                                              \
+        for (ptrdiff_t j = done; j < kd; j++)                                                \
+            strip[j * WIDTH + col] = col < cols ? b[col * ldb + j] : (REAL) 0;               \
+}                                                                                            \
+                                                                                             \
+/* c (m, n) = a (m, k) @ op(b) (k, n) [+ bias (m,) on every column], row-major; op(b) is b,  \
+ * or b^T (b then n x k) when b_transposed; a packed by panel_pack; a panel's part of one    \
+ * pass over c fills at most block_bytes. k == 0 leaves c = bias (or zero). */               \
 static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *restrict panels, \
                                 ptrdiff_t m, ptrdiff_t k, const REAL *restrict b,            \
-                                ptrdiff_t ldb, ptrdiff_t n, const REAL *restrict bias,       \
-                                ptrdiff_t block_bytes)                                       \
+                                ptrdiff_t ldb, int b_transposed, ptrdiff_t n,                \
+                                const REAL *restrict bias, ptrdiff_t block_bytes)            \
 {                                                                                            \
     if (k == 0) {                                                                            \
         for (ptrdiff_t i = 0; i < m; i++)                                                    \
@@ -219,7 +282,12 @@ static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *res
             const int whole = n - j0 >= WIDTH;                                               \
             const REAL *bs = b + k0 * ldb + j0;                                              \
             ptrdiff_t lds = ldb;                                                             \
-            if (whole) {                                                                     \
+            if (b_transposed) {                                                              \
+                panel_strip_transposed_##SUFFIX(strip, b + j0 * ldb + k0, ldb, kd,           \
+                                                whole ? WIDTH : n - j0);                     \
+                bs = strip;                                                                  \
+                lds = WIDTH;                                                                 \
+            } else if (whole) {                                                              \
                 for (ptrdiff_t j = 0; j < kd; j++)                                           \
                     for (int v = 0; v < PANEL_VECTORS; v++)                                  \
                         *(mem *)(strip + j * WIDTH + v * LANES) =                            \

@@ -33,11 +33,11 @@ cdef extern from "panel_gemm.h" nogil:
                       Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
                       Py_ssize_t p1)
     void panel_gemm_f(float* c, Py_ssize_t ldc, const float* panels, Py_ssize_t m,
-                      Py_ssize_t k, const float* b, Py_ssize_t ldb, Py_ssize_t n,
-                      const float* bias, Py_ssize_t block_bytes)
+                      Py_ssize_t k, const float* b, Py_ssize_t ldb, bint b_transposed,
+                      Py_ssize_t n, const float* bias, Py_ssize_t block_bytes)
     void panel_gemm_d(double* c, Py_ssize_t ldc, const double* panels, Py_ssize_t m,
-                      Py_ssize_t k, const double* b, Py_ssize_t ldb, Py_ssize_t n,
-                      const double* bias, Py_ssize_t block_bytes)
+                      Py_ssize_t k, const double* b, Py_ssize_t ldb, bint b_transposed,
+                      Py_ssize_t n, const double* bias, Py_ssize_t block_bytes)
 
 cdef extern from "panel_gemm_bf16.h" nogil:
     enum:
@@ -115,10 +115,10 @@ cdef inline void times_weights(floating* c, Py_ssize_t ldc, const Weights* a,
             bf16_panel_gemm(a.bf16, c, ldc, <const uint16_t*> a.panels, a.m, a.k, b, ldb,
                             False, n, bias, a.block_bytes, False)
         elif floating is float:
-            panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, n, bias,
+            panel_gemm_f(c, ldc, <const float*> a.panels, a.m, a.k, b, ldb, False, n, bias,
                          a.block_bytes)
         else:
-            panel_gemm_d(c, ldc, <const double*> a.panels, a.m, a.k, b, ldb, n, bias,
+            panel_gemm_d(c, ldc, <const double*> a.panels, a.m, a.k, b, ldb, False, n, bias,
                          a.block_bytes)
         return
     if bias != NULL:

@@ -15,10 +15,11 @@ rows than a block (a 10-class head). nn/kernel_tuning.py times the cuts per laye
 Block boundaries depend on the shapes and the cut only, never on the thread count, so every
 thread count makes the same GEMM calls and gets bitwise equal results.
 
-dx can also run on dynar's panel GEMM (include/panel_gemm.h), cut PANELS: dy, a few rows
-deep, is packed once, and w is the GEMM's right operand read in place, so each block of
-dx's columns streams its slice of w once, where a BLAS call packs it first. Blocks are
-`width` columns rounded up to whole strips of the GEMM (48 floats with AVX-512).
+y and dx can also run on dynar's panel GEMM (include/panel_gemm.h), cut PANELS: x or dy, a
+batch of rows, is packed once, and w is the GEMM's right operand (transposed into the
+GEMM's strips for y, read in place for dx), so each block of columns streams its slice of w
+once, where a BLAS call packs it first. Blocks are `width` columns rounded up to whole
+strips of the GEMM (48 floats with AVX-512).
 """
 from cython cimport floating
 from cython.parallel cimport prange
@@ -49,7 +50,7 @@ DEFAULT_CUT = (COLS, 64)
 DEFAULT_DW_CUT = (ROWS, 64)
 DEF DB_BLOCK = 64
 
-cdef Scratch _packed    # dy in row panels, for dx's PANELS cut
+cdef Scratch _packed    # x or dy in row panels, for y's and dx's PANELS cuts
 
 
 cdef void _cut_gemm(int axis, Py_ssize_t width, bint trans_a, bint trans_b,
@@ -73,37 +74,49 @@ cdef void _cut_gemm(int axis, Py_ssize_t width, bint trans_a, bint trans_b,
                  b + (s * ldb if trans_b else s), <int> ldb, beta, c + s, <int> ldc)
 
 
-cdef void _panel_dx(floating* dx, floating* panels, const floating* dy, const floating* w,
-                    Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out, Py_ssize_t width,
-                    Py_ssize_t block_bytes) noexcept nogil:
-    """dx (N, In) = dy (N, Out) @ w (Out, In) on the panel GEMM: dy packed into `panels`
-    (panel_size(N, Out)), then blocks of `width` columns of dx rounded up to whole strips,
+cdef void _on_panels(floating* c, floating* panels, const floating* a, const floating* b,
+                     bint b_transposed, const floating* bias, Py_ssize_t m, Py_ssize_t k,
+                     Py_ssize_t n, Py_ssize_t width, Py_ssize_t block_bytes) noexcept nogil:
+    """c (m, n) = a (m, k) @ op(b) [+ bias (n,) on every row] on the panel GEMM, op(b) being
+    b (k, n) or, b_transposed, b^T (b: n, k): a, a batch of rows, packed into `panels`
+    (panel_size(m, k)), then blocks of `width` columns of c rounded up to whole strips,
     shared among threads."""
     cdef Py_ssize_t strip = PANEL_VECTORS * (PANEL_VECTOR_BYTES // sizeof(floating))
     cdef Py_ssize_t cols = (width + strip - 1) // strip * strip
-    cdef Py_ssize_t rows = panel_count(N), blocks = (In + cols - 1) // cols
-    cdef Py_ssize_t p, blk, j0
+    cdef Py_ssize_t rows = panel_count(m), blocks = (n + cols - 1) // cols
+    cdef Py_ssize_t p, blk, j0, nb, i, j
+    cdef const floating* bj
     for p in prange(rows, schedule="static", num_threads=threads_for(rows)):
         if floating is float:
-            panel_pack_f(panels, dy, N, Out, Out, 1, p, p + 1)
+            panel_pack_f(panels, a, m, k, k, 1, p, p + 1)
         else:
-            panel_pack_d(panels, dy, N, Out, Out, 1, p, p + 1)
+            panel_pack_d(panels, a, m, k, k, 1, p, p + 1)
     for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         j0 = blk * cols
+        nb = cols if j0 + cols <= n else n - j0
+        bj = b + (j0 * k if b_transposed else j0)
         if floating is float:
-            panel_gemm_f(dx + j0, In, panels, N, Out, w + j0, In,
-                         cols if j0 + cols <= In else In - j0, NULL, block_bytes)
+            panel_gemm_f(c + j0, n, panels, m, k, bj, k if b_transposed else n, b_transposed,
+                         nb, NULL, block_bytes)
         else:
-            panel_gemm_d(dx + j0, In, panels, N, Out, w + j0, In,
-                         cols if j0 + cols <= In else In - j0, NULL, block_bytes)
+            panel_gemm_d(c + j0, n, panels, m, k, bj, k if b_transposed else n, b_transposed,
+                         nb, NULL, block_bytes)
+        if bias != NULL:
+            for i in range(m):
+                for j in range(j0, j0 + nb):
+                    c[i * n + j] += bias[j]
 
 
 cdef void _forward(floating* y, const floating* x, const floating* w, const floating* b,
-                   Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out,
-                   int axis, Py_ssize_t width) noexcept nogil:
-    """y: (N, Out); x: (N, In); w: (Out, In); b: (Out,) or NULL."""
+                   Py_ssize_t N, Py_ssize_t In, Py_ssize_t Out, int axis, Py_ssize_t width,
+                   floating* panels, Py_ssize_t block_bytes) noexcept nogil:
+    """y: (N, Out); x: (N, In); w: (Out, In); b: (Out,) or NULL. panels: panel_size(N, In)
+    of workspace where the cut is PANELS."""
     cdef Py_ssize_t n
     cdef floating beta = 0
+    if axis == ON_PANELS:
+        _on_panels(y, panels, x, w, True, b, N, In, Out, width, block_bytes)
+        return
     if b != NULL:
         beta = 1
         for n in range(N):
@@ -123,7 +136,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t blocks, blk, o0, o1, o
     cdef floating keep = 1 if accumulate else 0     # BLAS reads no c at beta 0
     if dx != NULL and dx_axis == ON_PANELS:
-        _panel_dx(dx, panels, dy, w, N, In, Out, dx_width, block_bytes)
+        _on_panels(dx, panels, dy, w, False, NULL, N, Out, In, dx_width, block_bytes)
     elif dx != NULL:
         _cut_gemm(dx_axis, dx_width, False, False, N, In, Out, dy, Out, w, In,
                   <floating> 0, dx, In)
@@ -183,11 +196,11 @@ def linear_forward(y, x, w, b=None, cut=DEFAULT_CUT):
     """y (N, out) = x (N, in) @ w (out, in)^T + b (out,).
 
     y is overwritten; b may be None. cut: (ROWS, width) blocks of the batch or (COLS, width)
-    of output features per thread."""
+    of output features per thread, or (PANELS, width) output features on the panel GEMM."""
     cdef FloatKind kind
     cdef int axis
     cdef Py_ssize_t width
-    _check_cut("cut", cut, &axis, &width)
+    _check_cut("cut", cut, &axis, &width, panels=True)
     xa, wa, ba, N, In, Out = _check_linear("b", x, w, b, &kind)
     ya = check_float("y", y, 2, kind, output=True)
     check_shape("y", ya, (N, Out))
@@ -199,12 +212,23 @@ def linear_forward(y, x, w, b=None, cut=DEFAULT_CUT):
     cdef void* wp = data(wa)
     cdef void* bp = data(ba)
     cdef Py_ssize_t n = N, i = In, o = Out
-    with nogil:
-        if kind == F32:
-            _forward(<float*> yp, <float*> xp, <float*> wp, <float*> bp, n, i, o, axis, width)
-        else:
-            _forward(<double*> yp, <double*> xp, <double*> wp, <double*> bp, n, i, o,
-                     axis, width)
+    cdef bint private = False
+    cdef void* panels = NULL
+    cdef Py_ssize_t block = 0
+    if axis == ON_PANELS:
+        block = panel_block_bytes()
+        panels = scratch_take(&_packed, panel_size(N, In) * (<object> xa).itemsize, &private)
+    try:
+        with nogil:
+            if kind == F32:
+                _forward(<float*> yp, <float*> xp, <float*> wp, <float*> bp, n, i, o, axis,
+                         width, <float*> panels, block)
+            else:
+                _forward(<double*> yp, <double*> xp, <double*> wp, <double*> bp, n, i, o,
+                         axis, width, <double*> panels, block)
+    finally:
+        if panels != NULL:
+            scratch_give(&_packed, panels, private)
 
 
 def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_CUT,

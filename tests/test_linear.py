@@ -143,39 +143,45 @@ def test_every_cut_computes_the_products_and_thread_counts_agree_bitwise(cut, rn
 
 @pytest.mark.parametrize("width", [1, 48, 100, 1000])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_dx_on_the_panel_gemm_is_the_product_and_thread_counts_agree_bitwise(width, dtype,
-                                                                           rng):
-    # N = 11 leaves a partial row panel, in = 130 partial strips; widths below, at and past
-    # a strip's 48 floats (AVX-512), and past in (one block).
+def test_y_and_dx_on_the_panel_gemm_are_the_products_and_thread_counts_agree_bitwise(
+        width, dtype, rng):
+    # N = 11 leaves a partial row panel; out = 70 and in = 130 a whole strip of 48 floats
+    # (AVX-512; transposed 16 x 16 at a time for y, with a 2-deep rest) and a partial one.
+    # Widths below, at and past a strip, and past both (one block).
     x = rng.standard_normal((11, 130)).astype(dtype)
     w = rng.standard_normal((70, 130)).astype(dtype)
+    b = rng.standard_normal(70).astype(dtype)
     dy = rng.standard_normal((11, 70)).astype(dtype)
+    cut = (linear.PANELS, width)
 
     def run():
-        dx, dw = np.full_like(x, np.nan), np.zeros_like(w)
-        linear.linear_backward(dx, dw, None, dy, x, w, dx_cut=(linear.PANELS, width))
-        return dx
+        y, dx = np.full((11, 70), np.nan, dtype), np.full_like(x, np.nan)
+        dw = np.zeros_like(w)
+        linear.linear_forward(y, x, w, b, cut)
+        linear.linear_backward(dx, dw, None, dy, x, w, dx_cut=cut)
+        return y, dx
 
     one, two = at_thread_counts(run)
-    np.testing.assert_array_equal(one, two)
-    want = dy.astype(np.float64) @ w.astype(np.float64)
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
     tol = 1e-5 if dtype == np.float32 else 1e-12
-    np.testing.assert_allclose(one, want, rtol=tol, atol=tol)
+    for got, again, want in zip(one, two, (x64 @ w64.T + b, dy64 @ w64)):
+        np.testing.assert_array_equal(got, again)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("cut", [(linear.PANELS, 64), (3, 64), (linear.ROWS, 0), (linear.COLS, -1), "rows",
-                                 (linear.ROWS, 64.0), None])
+@pytest.mark.parametrize("cut", [(linear.PANELS, 64), (3, 64), (linear.ROWS, 0),
+                                 (linear.COLS, -1), "rows", (linear.ROWS, 64.0), None])
 def test_a_bad_cut_is_refused_by_name(cut):
     x, w = np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32)
     y, dy = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32)
-    with pytest.raises(ValueError, match="^cut"):
-        linear.linear_forward(y, x, w, None, cut)
     with pytest.raises(ValueError, match="^dw_cut"):
         linear.linear_backward(None, np.zeros_like(w), None, dy, x, w, dw_cut=cut)
-    if cut != (linear.PANELS, 64):     # dx alone runs on the panel GEMM
-        with pytest.raises(ValueError, match="^dx_cut"):
-            linear.linear_backward(np.zeros_like(x), np.zeros_like(w), None, dy, x, w,
-                                   dx_cut=cut)
+    if cut == (linear.PANELS, 64):     # y and dx run on the panel GEMM, dw does not
+        return
+    with pytest.raises(ValueError, match="^cut"):
+        linear.linear_forward(y, x, w, None, cut)
+    with pytest.raises(ValueError, match="^dx_cut"):
+        linear.linear_backward(np.zeros_like(x), np.zeros_like(w), None, dy, x, w, dx_cut=cut)
 
 
 def test_linear_errors_name_the_argument():

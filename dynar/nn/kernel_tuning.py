@@ -7,7 +7,7 @@ that supports it runs forward + backward a few times on scratch arrays (in bf16,
 layer runs them); the fastest is kept, but one that would displace the thresholds' choice
 is first timed again in turns with it. Fully connected layers: each of the three products
 (y, dx, dw) is timed cut among threads along each of its two axes in blocks of each width of
-CUT_WIDTHS (nn/linear.py's plan), dx also on dynar's panel GEMM; in bf16 on a CPU with a bf16 GEMM kernel the layer runs
+CUT_WIDTHS (nn/linear.py's plan), y and dx also on dynar's panel GEMM; in bf16 on a CPU with a bf16 GEMM kernel the layer runs
 kernels.bf16.matmul instead, which does not use the cuts. Results are cached in a file per
 machine and thread count (CPU model, ISA, dynar's kernel build), in
 $DYNAR_KERNEL_CACHE or ~/.cache/dynar/kernels, so a shape is timed once per machine;

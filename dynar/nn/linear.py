@@ -11,9 +11,9 @@ from .precision import Bf16Operands
 
 # How each product's output is cut among threads (pyx/linear.pyx), by what the blocks
 # run along: y = x w^T by batch rows or output features, dx = dy w by batch rows or input
-# features (on BLAS, or on dynar's panel GEMM: "panels"), dw = dy^T x by output or input
-# features.
-AXES = {"y": {"batch": ROWS, "out": COLS},
+# features, dw = dy^T x by output or input features; y and dx also by output or input
+# features on dynar's panel GEMM ("panels") instead of BLAS.
+AXES = {"y": {"batch": ROWS, "out": COLS, "panels": PANELS},
         "dx": {"batch": ROWS, "in": COLS, "panels": PANELS},
         "dw": {"out": ROWS, "in": COLS}}
 
@@ -38,9 +38,9 @@ def parse_plan(plan):
         along, _, width = cut.partition("/")
         if product not in AXES or product in cuts or along not in AXES[product] \
                 or not width.isdigit() or int(width) < 1:
-            raise ValueError(f"Linear.plan: expected e.g. {DEFAULT_PLAN!r} (y along batch or "
-                             f"out, dx along batch, in or panels, dw along out or in, a width "
-                             f">= 1), got {plan!r}")
+            raise ValueError(f"Linear.plan: expected e.g. {DEFAULT_PLAN!r} (y along batch, out "
+                             f"or panels, dx along batch, in or panels, dw along out or in, a "
+                             f"width >= 1), got {plan!r}")
         cuts[product] = (AXES[product][along], int(width))
     if set(cuts) != set(AXES):
         raise ValueError(f"Linear.plan: {plan!r} misses {sorted(set(AXES) - set(cuts))}")
