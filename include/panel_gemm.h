@@ -1,11 +1,12 @@
 /* dynar's own GEMM for products whose left operand is reused call after call: the weights of
- * a convolution, the same for every image of a batch (pyx/im2col.pyx, pyx/winograd.pyx).
+ * a convolution, the same for every image of a batch (pyx/im2col.pyx, pyx/winograd.pyx), or a
+ * fully connected layer's batch, the same for every block of its output (pyx/linear.pyx).
  *
- *     c (m, n) = a (m, k) @ b (k, n)  [+ bias[i] on every column of row i], row-major,
+ *     c (m, n) = a (m, k) @ op(b) (k, n)  [+ bias[i] on every column of row i], row-major,
  *
  * with `a` packed once into row panels (panel_pack, or written in panel form by its producer),
  * where a BLAS GEMM packs both operands on every call: the weights are packed once per batch
- * instead of once per image.
+ * instead of once per image. op(b) is b, or b^T for a fully connected layer's weights.
  *
  * Panels: PANEL_ROWS rows of `a` at a time, stored column by column, so the micro-kernel reads
  * one contiguous run per column: a[p * PANEL_ROWS + r][j] is
@@ -280,20 +281,20 @@ static void panel_gemm_##SUFFIX(REAL *restrict c, ptrdiff_t ldc, const REAL *res
         const ptrdiff_t kd = k - k0 < depth ? k - k0 : depth;                                \
         for (ptrdiff_t j0 = 0; j0 < n; j0 += WIDTH) {                                        \
             const int whole = n - j0 >= WIDTH;                                               \
-            const REAL *bs = b + k0 * ldb + j0;                                              \
-            ptrdiff_t lds = ldb;                                                             \
+            const REAL *bs = strip;                                                          \
+            ptrdiff_t lds = WIDTH;                                                           \
             if (b_transposed) {                                                              \
                 panel_strip_transposed_##SUFFIX(strip, b + j0 * ldb + k0, ldb, kd,           \
                                                 whole ? WIDTH : n - j0);                     \
-                bs = strip;                                                                  \
-                lds = WIDTH;                                                                 \
-            } else if (whole) {                                                              \
+            } else if (!whole) {            /* the last columns, read in place */            \
+                bs = b + k0 * ldb + j0;                                                      \
+                lds = ldb;                                                                   \
+            } else {                                                                         \
+                const REAL *rows_of_b = b + k0 * ldb + j0;                                   \
                 for (ptrdiff_t j = 0; j < kd; j++)                                           \
                     for (int v = 0; v < PANEL_VECTORS; v++)                                  \
                         *(mem *)(strip + j * WIDTH + v * LANES) =                            \
-                            *(const mem *)(bs + j * ldb + v * LANES);                        \
-                bs = strip;                                                                  \
-                lds = WIDTH;                                                                 \
+                            *(const mem *)(rows_of_b + j * ldb + v * LANES);                 \
             }                                                                                \
             for (ptrdiff_t p = 0; p < panel_count(m); p++) {                                 \
                 const ptrdiff_t i0 = p * PANEL_ROWS;                                         \

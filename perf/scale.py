@@ -110,8 +110,8 @@ def model_key(name, variant):
 def profile(name, variant=None, batch=PER_RANK_BATCH, threads=1, steps=10, warmup=WARMUP):
     """Time `steps` training steps of dynar's `name` model after `warmup` untimed ones.
 
-    Returns a JSON-able dict: model, threads, batch, forward_s (zero_grad + forward + loss),
-    backward_s, update_s (medians), and per layer in the order backward finalizes them
+    Returns a JSON-able dict: model, threads, batch, forward_s (a lazy zero_grad + forward +
+    loss; the zeroing itself falls in backward), backward_s, update_s (medians), and per layer in the order backward finalizes them
     (`model.grad_ready_order()`): layers, sizes_bytes (4 · slice length), ready_s (median
     seconds from the start of backward to the layer's grad-ready hook), batchnorm ([index
     in layers, channels] of each BatchNorm), plus the samples."""

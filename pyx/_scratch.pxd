@@ -74,3 +74,13 @@ cdef inline void scratch_give(Scratch* s, void* p, bint private) noexcept:
         _tracked_free(p)
     else:
         s.busy = False
+
+
+cdef inline int scratch_release(Scratch* s, str what) except -1:
+    """Frees s's buffer (the next take grows it again); RuntimeError while a call holds it."""
+    if s.busy:
+        raise RuntimeError(f"the {what} workspace is in use")
+    _tracked_free(s.ptr)
+    s.ptr = NULL
+    s.size = 0
+    return 0

@@ -20,7 +20,7 @@ from _conv_call cimport (ConvAlgorithm, ConvCall, ConvGeometry, PlanSpace, backw
                          capsule_algorithm, conv_geometry, forward_call,
                          output_shape as geometry_output_shape)
 from _panels cimport PANEL_GEMM_PREFERRED, bf16_panel_kernels
-from _scratch cimport Scratch, _tracked_free, scratch_give, scratch_take
+from _scratch cimport Scratch, scratch_give, scratch_release, scratch_take
 from _validate cimport F32, check_pair
 
 cnp.import_array()
@@ -100,10 +100,7 @@ def release_workspace():
     """Free the shared workspace; the next call grows it to what that call needs. Timing
     the candidates of a layer grows it to the largest candidate's need, which the chosen
     algorithms may never have: releasing it then keeps that out of the run's memory."""
-    if _workspace.busy:
-        raise RuntimeError("the convolution workspace is in use")
-    _tracked_free(_workspace.ptr)
-    _workspace.ptr, _workspace.size = NULL, 0
+    scratch_release(&_workspace, "convolution")
 
 
 def bf16_kernels():

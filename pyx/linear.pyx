@@ -31,7 +31,7 @@ from _lane_sums cimport runs_sum
 from _panels cimport (PANEL_VECTOR_BYTES, PANEL_VECTORS, panel_count, panel_gemm_d,
                       panel_gemm_f, panel_pack_d, panel_pack_f, panel_size)
 from _parallel cimport threads_for
-from _scratch cimport Scratch, scratch_give, scratch_take
+from _scratch cimport Scratch, scratch_give, scratch_release, scratch_take
 from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_float, check_shape,
                         data, float_kind)
 
@@ -51,6 +51,18 @@ DEFAULT_DW_CUT = (ROWS, 64)
 DEF DB_BLOCK = 64
 
 cdef Scratch _packed    # x or dy in row panels, for y's and dx's PANELS cuts
+# Columns of the panel GEMM's strips: a PANELS block is a whole number of them.
+PANEL_STRIP_FLOATS = PANEL_VECTORS * PANEL_VECTOR_BYTES // 4
+
+
+def workspace_bytes():
+    """Bytes of the PANELS cuts' workspace held between calls."""
+    return _packed.size
+
+
+def release_workspace():
+    """Free the PANELS cuts' workspace (kernel tuning, after timing them)."""
+    scratch_release(&_packed, "fully connected")
 
 
 cdef void _cut_gemm(int axis, Py_ssize_t width, bint trans_a, bint trans_b,

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dynar import checkpoint, kernels, models
-from dynar.kernels import conv
+from dynar.kernels import conv, linear as linear_kernels
 from dynar.kernels.bf16 import cpu_features
 from dynar.nn import conv_algorithms, kernel_tuning, precision
 from dynar.nn.linear import DEFAULT_PLAN, Linear
@@ -95,7 +95,7 @@ def test_each_layer_gets_the_fastest_measured_and_the_cache_serves_the_next(cach
         kernels.set_num_threads(1)
         first = kernel_tuning.choose(alexnet(), 4, 1)
         # The candidates' workspace is given back: the run grows it to its choices' need.
-        assert conv.workspace_bytes() == 0
+        assert conv.workspace_bytes() == 0 and linear_kernels.workspace_bytes() == 0
         for record in first:
             ms = record["ms"]
             assert record["source"] == "measured"

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 from hypothesis import event, given, note, settings, strategies as st
 
-from dynar.kernels import linear
+from conv_checks import SHORT_PASSES
+from dynar.kernels import conv, linear
 from gradcheck import assert_gradient
 from support import at_thread_counts, require_torch
 from support.bad_inputs import REFUSED, describe, float_dtype, is_array, overlap, snapshot, \
@@ -141,13 +142,15 @@ def test_every_cut_computes_the_products_and_thread_counts_agree_bitwise(cut, rn
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("passes", ["one pass", "short passes"])
 @pytest.mark.parametrize("width", [1, 48, 100, 1000])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_y_and_dx_on_the_panel_gemm_are_the_products_and_thread_counts_agree_bitwise(
-        width, dtype, rng):
+        passes, width, dtype, rng):
     # N = 11 leaves a partial row panel; out = 70 and in = 130 a whole strip of 48 floats
-    # (AVX-512; transposed 16 x 16 at a time for y, with a 2-deep rest) and a partial one.
-    # Widths below, at and past a strip, and past both (one block).
+    # (AVX-512; transposed 16 x 16 at a time for y, with a rest) and a partial one. Widths
+    # below, at and past a strip, and past both (one block); the depth in one pass, or in
+    # 2-3 passes that start inside w's rows and add to c.
     x = rng.standard_normal((11, 130)).astype(dtype)
     w = rng.standard_normal((70, 130)).astype(dtype)
     b = rng.standard_normal(70).astype(dtype)
@@ -161,7 +164,11 @@ def test_y_and_dx_on_the_panel_gemm_are_the_products_and_thread_counts_agree_bit
         linear.linear_backward(dx, dw, None, dy, x, w, dx_cut=cut)
         return y, dx
 
-    one, two = at_thread_counts(run)
+    before = conv.panel_block_bytes(SHORT_PASSES if passes == "short passes" else 0)
+    try:
+        one, two = at_thread_counts(run)
+    finally:
+        conv.panel_block_bytes(before)
     x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for got, again, want in zip(one, two, (x64 @ w64.T + b, dy64 @ w64)):

@@ -376,6 +376,33 @@ def test_lazy_zero_grad_zeroes_the_layers_backward_did_not_reach():
     np.testing.assert_allclose(model.head.used.bias.grad, np.full(3, 2.0))
 
 
+class _AddsRegardless(nn.Module):
+    """A layer whose backward adds into its gradient without asking whether it is stale."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(np.ones(3, np.float32))
+
+    def forward(self, x):
+        self._x = x
+        return x * self.scale.data
+
+    def backward(self, dy):
+        self.scale.grad += (dy * self._x).sum(axis=0)
+        self._grad_ready()
+        return dy * self.scale.data
+
+
+def test_a_layer_that_ignores_a_lazy_zero_grad_is_an_error():
+    layer = _AddsRegardless()
+    x = np.ones((2, 3), np.float32)
+    layer.backward(layer.forward(x))           # eager gradients: fine
+    layer.zero_grad(lazy=True)
+    layer.forward(x)
+    with pytest.raises(RuntimeError, match="_AddsRegardless.backward.*_overwrite_grads"):
+        layer.backward(np.ones_like(x))
+
+
 def test_first_layer_skips_input_gradient_when_input_is_data():
     net = small_net()
     x = np.zeros((2, 2, 4, 4), np.float32)

@@ -28,7 +28,6 @@ class Model(Sequential):
         self.set_input_requires_grad(False)
         self.flatten_parameters()
         self.step_arena = StepArena()
-        self._parameter_layers = tuple(m for m in self.modules() if m._parameters)
 
     def forward(self, x):
         arena = self.step_arena
@@ -43,6 +42,11 @@ class Model(Sequential):
         elif self._arena is not None:
             self.use_arena(None)
         return super().forward(x)
+
+    def flatten_parameters(self):
+        flat = super().flatten_parameters()
+        self._parameter_layers = tuple(m for m in self.modules() if m._parameters)
+        return flat
 
     def backward(self, dy):
         dx = super().backward(dy)

@@ -7,9 +7,10 @@ that supports it runs forward + backward a few times on scratch arrays (in bf16,
 layer runs them); the fastest is kept, but one that would displace the thresholds' choice
 is first timed again in turns with it. Fully connected layers: each of the three products
 (y, dx, dw) is timed cut among threads along each of its two axes in blocks of each width of
-CUT_WIDTHS (nn/linear.py's plan), y and dx also on dynar's panel GEMM; in bf16 on a CPU with a bf16 GEMM kernel the layer runs
-kernels.bf16.matmul instead, which does not use the cuts. Results are cached in a file per
-machine and thread count (CPU model, ISA, dynar's kernel build), in
+CUT_WIDTHS (nn/linear.py's plan), y and dx also on dynar's panel GEMM; in bf16 on a CPU
+with a bf16 GEMM kernel the layer runs kernels.bf16.matmul instead, which does not use the
+cuts. Results are cached in a file per machine and thread count (CPU model, ISA, dynar's
+kernel build), in
 $DYNAR_KERNEL_CACHE or ~/.cache/dynar/kernels, so a shape is timed once per machine;
 `python -m dynar.tune --kernels` fills it ahead of a job. DYNAR_KERNEL_TUNE=0 keeps
 conv_algorithms.preferred's thresholds and linear.DEFAULT_PLAN. A distributed job times on
@@ -31,7 +32,7 @@ from ..kernels import conv, direct, im2col, linear as linear_kernels, tapgemm, w
 from ..kernels.bf16 import round_to_bf16
 from . import conv_algorithms
 from .conv import Conv2d as ConvLayer
-from .linear import AXES, DEFAULT_PLAN, ROWS, Linear, parse_plan
+from .linear import AXES, DEFAULT_PLAN, PANELS, ROWS, Linear, parse_plan
 
 _FORMAT, _VERSION = "dynar-kernel-choices", 1
 REPEATS = 3
@@ -203,22 +204,33 @@ def time_cuts(x_shape, layer, repeats=REPEATS):
                                                               default["dx"], cut)}
     extents = {"y": y.shape, "dx": x.shape, "dw": w.shape}
     seconds = {}
-    for product, axes in AXES.items():
-        if product == "dx" and not layer.input_requires_grad:
-            continue
-        timed = {}
-        for along, axis in axes.items():
-            blocks_seen = set()
-            for width in CUT_WIDTHS:
-                # ROWS splits the output's rows; COLS and PANELS its columns
-                blocks = -(-extents[product][0 if axis == ROWS else 1] // width)
-                if blocks in blocks_seen:
-                    continue
-                blocks_seen.add(blocks)
-                best = _best_of(lambda: calls[product]((axis, width)), repeats, timed)
-                timed[f"{product}={along}/{width}"] = best
-        seconds.update(timed)
+    try:
+        for product, axes in AXES.items():
+            if product == "dx" and not layer.input_requires_grad:
+                continue
+            timed = {}
+            for along, axis in axes.items():
+                blocks_seen = set()
+                for width in CUT_WIDTHS:
+                    blocks = _block_count(extents[product], axis, width)
+                    if blocks in blocks_seen:
+                        continue
+                    blocks_seen.add(blocks)
+                    best = _best_of(lambda: calls[product]((axis, width)), repeats, timed)
+                    timed[f"{product}={along}/{width}"] = best
+            seconds.update(timed)
+    finally:
+        linear_kernels.release_workspace()     # the panel cuts' packed batch
     return seconds
+
+
+def _block_count(shape, axis, width):
+    """Blocks of a product's output `shape` a cut makes: ROWS splits its rows, COLS and
+    PANELS its columns, PANELS in whole strips of the panel GEMM."""
+    if axis == PANELS:
+        strip = linear_kernels.PANEL_STRIP_FLOATS
+        width = -(-width // strip) * strip
+    return -(-shape[0 if axis == ROWS else 1] // width)
 
 
 def _timed(call):

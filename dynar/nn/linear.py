@@ -93,10 +93,10 @@ class Linear(Bf16Operands, Module):
         if self.input_requires_grad:
             dx = self._grad_buffer(self._x.shape)
         kernel = self._bf16_kernel()
-        add = not self._overwrite_grads()
         if kernel:
             if dx is not None:
                 matmul(dx, dy, self.weight.data, kernel=kernel)           # dy w
+            add = not self._overwrite_grads()
             matmul(self.weight.grad, dy, self._x, trans_a=True, accumulate=add,
                    kernel=kernel)                                        # (+)= dy^T x
             if self.bias is not None:   # from the rounded dy, as on the portable path
@@ -109,6 +109,7 @@ class Linear(Bf16Operands, Module):
             self._grad_ready()
             return dx
         dyr, xr, w, scratch = self._backward_operands(dy, self._x)
+        add = not self._overwrite_grads()
         linear_backward(dx, self.weight.grad, None if self.bias is None else self.bias.grad,
                         dyr, xr, w, self._cuts["dx"], self._cuts["dw"], accumulate=add)
         self._give_back(scratch)

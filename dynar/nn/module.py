@@ -151,6 +151,9 @@ class Module:
 
     def _grad_ready(self):
         """Called by a layer's backward once its parameter gradients are final."""
+        if self._grads_stale:   # added into stale values, or about to be swept to zero
+            raise RuntimeError(f"{type(self).__name__}.backward wrote its gradients without "
+                               "_overwrite_grads() or _zero_stale_grads() first")
         for fn in self._grad_ready_hooks:
             fn(*self._grad_slice)
 
