@@ -28,8 +28,8 @@ cimport numpy as cnp
 
 from _blas cimport gemm
 from _lane_sums cimport runs_sum
-from _panels cimport (PANEL_VECTOR_BYTES, PANEL_VECTORS, panel_count, panel_gemm_d,
-                      panel_gemm_f, panel_pack_d, panel_pack_f, panel_size)
+from _panels cimport (PANEL_VECTOR_BYTES, PANEL_VECTORS, Weights, pack_panel, panel_count,
+                      panel_gemm_d, panel_gemm_f, panel_size, weights_operand)
 from _parallel cimport threads_for
 from _scratch cimport Scratch, scratch_give, scratch_release, scratch_take
 from _validate cimport (F32, FloatKind, check_blas_dim, check_disjoint, check_float, check_shape,
@@ -98,11 +98,9 @@ cdef void _on_panels(floating* c, floating* panels, const floating* a, const flo
     cdef Py_ssize_t rows = panel_count(m), blocks = (n + cols - 1) // cols
     cdef Py_ssize_t p, blk, j0, nb, i, j
     cdef const floating* bj
+    cdef Weights packed = weights_operand(m, k, False, panels, block_bytes, 0)
     for p in prange(rows, schedule="static", num_threads=threads_for(rows)):
-        if floating is float:
-            panel_pack_f(panels, a, m, k, k, 1, p, p + 1)
-        else:
-            panel_pack_d(panels, a, m, k, k, 1, p, p + 1)
+        pack_panel(&packed, a, p)
     for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         j0 = blk * cols
         nb = cols if j0 + cols <= n else n - j0

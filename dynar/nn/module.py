@@ -4,7 +4,7 @@ No autograd tape: `forward(x)` runs the layer and keeps what its own backward ne
 `backward(dy)` consumes that and returns d(input). A model's backward calls its children's in
 reverse. Parameter gradients are accumulated (+=) until `zero_grad()`; after
 `zero_grad(lazy=True)` the next backward writes them (=) instead, which spares a pass over
-all of them (for AlexNet 20M floats, 7% of its step).
+all of them.
 
 Arrays a layer returns are reused buffers, never allocated per step (that would cost more
 than LeNet's whole step): a layer alone keeps its own, reused on the next call; the layers of
