@@ -33,9 +33,10 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None, precision="fp32"):
     kernels.set_flush_denormals(True)
     kw = {"dropout": 0.0} if name.startswith(("alexnet", "vgg")) else {}
     model = models.get(name, variant=variant, seed=0, **kw)
-    # As training chooses (timed, cached; DYNAR_KERNEL_TUNE=0: the thresholds).
-    kernel_tuning.apply(model, kernel_tuning.choose(model, len(y), threads))
+    # As training chooses (timed, cached; DYNAR_KERNEL_TUNE=0: the thresholds), in the
+    # precision the layers run.
     precisions.set_precision(model, precision)
+    kernel_tuning.apply(model, kernel_tuning.choose(model, len(y), threads))
     crit = nn.CrossEntropyLoss()
     opt = optim.SGD(model, lr=0.01, momentum=0.9)
     if timed is not None:

@@ -137,15 +137,17 @@ class _ScriptedClock:
     def perf_counter(self):
         return self.now
 
-    def kernel(self, durations):
-        clock, left = self, list(durations)
+    def kernel(self, durations, fp32=None):
+        """A kernel taking `durations` (and `fp32` on float32 calls, when given)."""
+        clock, left = self, {True: list(durations), False: list(fp32 or durations)}
 
         class Scripted:
             def supports(self, *_):
                 return True
 
-            def forward(self, *_, **__):
-                clock.now += left.pop(0) if len(left) > 1 else left[0]
+            def forward(self, *_, bf16=True, **__):
+                times = left[bool(bf16) or fp32 is None]
+                clock.now += times.pop(0) if len(times) > 1 else times[0]
 
             def backward(self, *_, **__):
                 pass
@@ -189,13 +191,70 @@ def test_a_bf16_layer_is_timed_apart_on_its_bf16_kernels(cache, monkeypatch):
     assert calls == ["fp32"] * 5 + ["bf16"] * 5
     assert all(a["shape"] + " bf16" == b["shape"] for a, b in zip(fp32, bf16)
                if a["kind"] == "conv")
-    # The real timing (the fakes undone) hands the kernels bf16 calls.
+    # The real timing (the fakes undone) hands the kernels bf16 calls, and float32 ones
+    # only to the "/fp32" candidates of a CPU with bf16 convolution kernels.
     monkeypatch.undo()
-    seen = set()
+    seen = []
     monkeypatch.setitem(conv_algorithms.ALGORITHMS, "gemm",
                         _Recording(conv_algorithms.ALGORITHMS["gemm"], seen))
-    kernel_tuning.time_algorithms((2, 3, 32, 32), bf16_model.features[0], repeats=1)
-    assert seen == {True}
+    timed = kernel_tuning.time_algorithms((2, 3, 32, 32), bf16_model.features[0], repeats=1)
+    in_fp32 = conv.bf16_kernels()
+    assert set(seen) == ({True, False} if in_fp32 else {True})
+    assert ("gemm/fp32" in timed) == in_fp32
+
+
+@pytest.mark.parametrize("has_bf16_kernels", [True, False])
+def test_a_bf16_layer_computes_in_float32_where_that_is_faster(cache, monkeypatch,
+                                                               has_bf16_kernels):
+    """On the per-tap GEMMs of a 2x2 plane bf16 ran slower than float32 (a Zen 4): where a
+    CPU's bf16 kernels lose to float32 on a layer, that layer computes in float32. Without
+    bf16 kernels (the portable path, kept for its numerics) float32 does not compete."""
+    clock = _ScriptedClock()
+    monkeypatch.setattr(kernel_tuning, "time", clock)
+    monkeypatch.setattr(conv, "bf16_kernels", lambda: has_bf16_kernels)
+    monkeypatch.setattr(conv_algorithms, "ALGORITHMS",
+                        {"tapgemm": clock.kernel([2.0], fp32=[1.0]),
+                         "winograd": clock.kernel([1.5], fp32=[3.0]),
+                         "direct": clock.kernel([5.0], fp32=[0.5])})
+    layer = alexnet().features[3]
+    layer.precision = "bf16"
+    seconds = kernel_tuning.time_algorithms((2, 64, 8, 8), layer, repeats=1, first="winograd")
+    if not has_bf16_kernels:
+        assert seconds == {"winograd": 1.5, "tapgemm": 2.0, "direct": 5.0}
+        return
+    # Direct has no bf16 kernel: it is timed once, as the layer would run it.
+    assert seconds == {"winograd": 1.5, "tapgemm": 2.0, "direct": 5.0,
+                       "winograd/fp32": 3.0, "tapgemm/fp32": 1.0}
+    choice = kernel_tuning._fastest(seconds, "winograd")
+    assert choice == "tapgemm/fp32"
+    # A near tie keeps bf16, the precision asked for (and the thresholds' choice within it).
+    assert kernel_tuning._fastest({**seconds, "tapgemm/fp32": 1.45}, "winograd") == "winograd"
+    assert kernel_tuning._fastest({"tapgemm": 1.0, "winograd": 1.02, "winograd/fp32": 0.99},
+                                  "winograd") == "winograd"
+    model = precision.set_precision(alexnet(), "bf16")
+    kernel_tuning.apply(model, [{"layer": "features.3", "choice": choice}])
+    assert (model.features[3].algorithm, model.features[3].precision) == ("tapgemm", "fp32")
+    assert model.features[6].precision == "bf16"
+
+
+def test_a_float32_choice_is_cached_and_a_bad_one_refused(cache, monkeypatch, capsys):
+    monkeypatch.setattr(kernel_tuning, "time_algorithms",
+                        lambda *a, **k: {"tapgemm": 2.0, "tapgemm/fp32": 1.0})
+    monkeypatch.setattr(kernel_tuning, "time_cuts", lambda *a, **k: {"y=out/64": 1.0})
+    bf16_model = lambda: precision.set_precision(alexnet(), "bf16")      # noqa: E731
+    first = kernel_tuning.choose(bf16_model(), 4, 1)
+    assert {r["choice"] for r in first if r["kind"] == "conv"} == {"tapgemm/fp32"}
+    again = kernel_tuning.choose(bf16_model(), 4, 1)
+    assert {r["source"] for r in again} == {"cached"}
+    (path,) = cache.glob("*.json")
+    text = json.loads(path.read_text())
+    next(e for k, e in text["layers"].items() if not k.startswith("linear"))["choice"] = \
+        "tapgemm/fp16"
+    path.write_text(json.dumps(text))
+    assert {r["source"] for r in kernel_tuning.choose(bf16_model(), 4, 1)} == {"measured"}
+    assert "unreadable" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tapgemm/fp16"):
+        kernel_tuning.split_choice("tapgemm/fp16")
 
 
 class _Recording:
@@ -207,11 +266,11 @@ class _Recording:
         return self.algorithm.supports(*args)
 
     def forward(self, *args, bf16=False):
-        self.seen.add(bf16)
+        self.seen.append(bf16)
         self.algorithm.forward(*args, bf16=bf16)
 
     def backward(self, *args, bf16=False):
-        self.seen.add(bf16)
+        self.seen.append(bf16)
         self.algorithm.backward(*args, bf16=bf16)
 
 

@@ -5,7 +5,9 @@ Convolutions: for every distinct layer shape (input, weights, stride, padding, w
 layer needs an input gradient, its precision) at the kernels' thread count, each algorithm
 that supports it runs forward + backward a few times on scratch arrays (in bf16, as the
 layer runs them); the fastest is kept, but one that would displace the thresholds' choice
-is first timed again in turns with it. Fully connected layers: each of the three products
+is first timed again in turns with it. A bf16 layer on a CPU with bf16 convolution kernels
+also times the algorithms that have them in float32 ("tapgemm/fp32"): bf16 does not pay on
+every shape, and such a layer then computes in float32. Fully connected layers: each of the three products
 (y, dx, dw) is timed cut among threads along each of its two axes in blocks of each width of
 CUT_WIDTHS (nn/linear.py's plan), y and dx also on dynar's panel GEMM; in bf16 on a CPU
 with a bf16 GEMM kernel the layer runs kernels.bf16.matmul instead, which does not use the
@@ -31,7 +33,7 @@ from ..atomic_write import write_text
 from ..kernels import conv, direct, im2col, linear as linear_kernels, tapgemm, winograd
 from ..kernels.bf16 import round_to_bf16
 from . import conv_algorithms
-from .conv import Conv2d as ConvLayer
+from .conv import ROUNDING_ALGORITHMS, Conv2d as ConvLayer
 from .linear import AXES, DEFAULT_PLAN, PANELS, ROWS, Linear, parse_plan
 
 _FORMAT, _VERSION = "dynar-kernel-choices", 1
@@ -47,6 +49,9 @@ CUT_WIDTHS = (64, 16, 256, 1024)
 # CPU features that decide which kernels are fast; the rest of /proc/cpuinfo's flags do not.
 _FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile",
              "amx_bf16", "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2")
+# A convolution's choice "<algorithm>" or "<algorithm>/fp32": a bf16 layer computing in
+# float32, where that was faster than its bf16 kernels.
+IN_FP32 = "/fp32"
 
 
 def enabled():
@@ -101,7 +106,7 @@ def _load(path, about):
         layers = record["layers"] if ok else {}
         for key, entry in layers.items():
             if not (_valid_plan(entry.get("choice")) if key.startswith("linear ") else
-                    entry.get("choice") in conv_algorithms.ALGORITHMS) or not all(
+                    _valid_algorithm(entry.get("choice"))) or not all(
                     isinstance(v, (int, float)) and math.isfinite(v) and v > 0
                     for v in entry.get("ms", {}).values()):
                 raise ValueError("a layer entry is malformed")
@@ -112,6 +117,24 @@ def _load(path, about):
         print(f"warning: kernel choices {path} unreadable ({exc}); timing again",
               file=sys.stderr)
         return {}
+
+
+def split_choice(choice):
+    """(algorithm, precision or None) of a convolution's `choice`: "winograd" runs the
+    model's precision, "tapgemm/fp32" the per-tap GEMMs in float32."""
+    algorithm, slash, precision = choice.partition("/")
+    if algorithm not in conv_algorithms.ALGORITHMS or (slash and "/" + precision != IN_FP32):
+        raise ValueError(f"kernel choice {choice!r}: expected one of "
+                         f"{sorted(conv_algorithms.ALGORITHMS)}, optionally + {IN_FP32!r}")
+    return algorithm, precision or None
+
+
+def _valid_algorithm(choice):
+    try:
+        split_choice(choice)
+        return True
+    except (ValueError, AttributeError):
+        return False
 
 
 def _valid_plan(plan):
@@ -135,7 +158,8 @@ def _shape_key(x_shape, layer):
 
 def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     """{algorithm: best seconds of forward + backward} of every algorithm that supports
-    `layer`, on scratch arrays of its shapes (`x_shape` its input), `first` timed first.
+    `layer` (and {"<algorithm>/fp32": ...} of a bf16 layer's, as the module says), on
+    scratch arrays of its shapes (`x_shape` its input), `first` timed first.
 
     Bounded for big layers: each candidate's first call (which also grows the workspace,
     released after each candidate) counts as a sample; one more than BUDGET_S behind is not
@@ -155,14 +179,19 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     dx = np.empty_like(x) if layer.input_requires_grad else None
     dw, db = np.zeros_like(w), None if b is None else np.zeros_like(b)
     names = sorted(conv_algorithms.ALGORITHMS, key=lambda name: name != first)
+    candidates = [(name, bf16) for name in names]
+    if bf16 and conv.bf16_kernels():
+        # The per-tap GEMMs on 2x2 planes ran slower in bf16 than in float32 on a Zen 4:
+        # rounding and packing outweigh the products there.
+        candidates += [(name + IN_FP32, False) for name in names if name in ROUNDING_ALGORITHMS]
     seconds, steps = {}, {}
-    for name in names:
-        kernel = conv_algorithms.ALGORITHMS[name]
+    for name, on_bf16 in candidates:
+        kernel = conv_algorithms.ALGORITHMS[split_choice(name)[0]]
         if not kernel.supports(w.shape, layer.stride, layer.padding):
             continue
-        def step(kernel=kernel):
-            kernel.forward(y, x, w, b, layer.stride, layer.padding, bf16=bf16)
-            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding, bf16=bf16)
+        def step(kernel=kernel, on_bf16=on_bf16):
+            kernel.forward(y, x, w, b, layer.stride, layer.padding, bf16=on_bf16)
+            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding, bf16=on_bf16)
         try:
             best = _best_of(step, repeats, seconds)
         finally:
@@ -271,8 +300,12 @@ def _choose_plan(ms):
 
 def _fastest(ms, prior):
     """The fastest algorithm of `ms`, unless the thresholds' `prior` is within NOISE of it:
-    a near tie is decided the same way on every machine, not by the timing's noise."""
+    a near tie is decided the same way on every machine, not by the timing's noise. Float32
+    in a bf16 layer needs a lead of NOISE over its bf16 candidates too."""
     best = min(ms, key=ms.get)
+    in_bf16 = {name: t for name, t in ms.items() if not name.endswith(IN_FP32)}
+    if best not in in_bf16 and in_bf16 and min(in_bf16.values()) <= ms[best] * (1 + NOISE):
+        return _fastest(in_bf16, prior)
     return prior if ms.get(prior, math.inf) <= ms[best] * (1 + NOISE) else best
 
 
@@ -345,12 +378,14 @@ def _save(path, about, layers):
 
 
 def apply(model, records):
-    """Set each convolution named in `records` to its chosen algorithm, each fully connected
-    layer to its plan."""
+    """Set each convolution named in `records` to its chosen algorithm (and to float32 where
+    the choice says so), each fully connected layer to its plan."""
     layers = dict(model.named_modules())
     for record in records:
         layer = layers[record["layer"]]
         if isinstance(layer, Linear):
             layer.plan = record["choice"]
         else:
-            layer.algorithm = record["choice"]
+            layer.algorithm, precision = split_choice(record["choice"])
+            if precision:
+                layer.precision = precision
