@@ -11,8 +11,14 @@
 # Every workspace allocation is reported to tracemalloc (domain WORKSPACE_DOMAIN, as numpy
 # reports its arrays), so Python's own tools see kernel memory too and a test can show that a
 # steady-state training step allocates nothing.
+#
+# A large buffer is a memory mapping of its own, as the step arena's large arrays are
+# (nn/arena.py, mapped_empty): each block malloc frees raises its mmap threshold, after
+# which the heap keeps what a training step frees (kernel tuning releases the buffer after
+# every candidate).
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free
+from posix.mman cimport MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mmap, munmap
 
 cdef extern from "stdlib.h" nogil:
     int posix_memalign(void** ptr, size_t alignment, size_t size)
@@ -27,20 +33,37 @@ cdef enum:
     # Workspace starts on a cache line, so a kernel that lays its buffers out on vector
     # boundaries from there never has a vector load or store straddle two lines.
     WORKSPACE_ALIGN = 64
+    # Buffers from this size up are mappings of their own.
+    OWN_MAPPING_BYTES = 1 << 20
 
 
+# A buffer starts WORKSPACE_ALIGN bytes into its block, whose first word holds the bytes
+# asked for: that says how the block was made, and a mapping's length.
 cdef inline void* _tracked_malloc(size_t nbytes) noexcept:
-    cdef void* p = NULL
-    if posix_memalign(&p, WORKSPACE_ALIGN, nbytes if nbytes > 0 else 1) != 0:
+    cdef void* block = NULL
+    cdef size_t total = nbytes + WORKSPACE_ALIGN
+    if nbytes >= OWN_MAPPING_BYTES:
+        block = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if block == MAP_FAILED:
+            return NULL
+    elif posix_memalign(&block, WORKSPACE_ALIGN, total) != 0:
         return NULL
+    (<size_t*> block)[0] = nbytes
+    cdef void* p = <char*> block + WORKSPACE_ALIGN
     PyTraceMalloc_Track(WORKSPACE_DOMAIN, <uintptr_t> p, nbytes)
     return p
 
 
 cdef inline void _tracked_free(void* p) noexcept:
-    if p != NULL:
-        PyTraceMalloc_Untrack(WORKSPACE_DOMAIN, <uintptr_t> p)
-        free(p)
+    if p == NULL:
+        return
+    PyTraceMalloc_Untrack(WORKSPACE_DOMAIN, <uintptr_t> p)
+    cdef void* block = <char*> p - WORKSPACE_ALIGN
+    cdef size_t nbytes = (<size_t*> block)[0]
+    if nbytes >= OWN_MAPPING_BYTES:
+        munmap(block, nbytes + WORKSPACE_ALIGN)
+    else:
+        free(block)
 
 
 cdef struct Scratch:

@@ -31,7 +31,7 @@ import mmap
 import numpy as np
 
 _ALIGN = 64     # bytes: every planned array starts on a cache line
-# Arrays taken afresh from this size up get a memory mapping of their own (_fresh).
+# Arrays from this size up get a memory mapping of their own (mapped_empty).
 _OWN_MAPPING_BYTES = 1 << 20
 # Passes that take less in all than this are not worth an arena: LeNet at batch 64 (5 MB)
 # ran 3-5% slower a step on its bookkeeping, a few microseconds a layer, for a few MB saved
@@ -110,7 +110,7 @@ class StepArena:
             array = np.ndarray(shape, dtype, self._arena, planned[1])
         else:
             self._strayed = True
-            array = _fresh(shape, dtype, nbytes)
+            array = mapped_empty(shape, dtype)
         self._held[id(array)] = [i, array, 1]
         if owner is not None:
             self._owned.setdefault(id(owner), []).append(array)
@@ -187,11 +187,12 @@ class StepArena:
         return self._arena.nbytes
 
 
-def _fresh(shape, dtype, nbytes):
+def mapped_empty(shape, dtype=np.float32):
     """A new array; a large one in its own memory mapping, whose pages go back to the system
-    as soon as it is given back and dropped. (malloc keeps freed blocks below its mmap
-    threshold, which grows to 32 MB, for reuse: the arrays of a recorded pass would stay
-    resident beside the arena planned from it.)"""
+    as soon as it is dropped. malloc keeps freed blocks below its mmap threshold for reuse,
+    and each large block it frees raises that threshold (up to 32 MB): the arrays of a
+    recorded pass, or of kernel tuning, would stay resident beside what the steps use."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < _OWN_MAPPING_BYTES:
         return np.empty(shape, dtype)
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
