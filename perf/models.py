@@ -41,7 +41,7 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None, precision="fp32"):
     opt = optim.SGD(model, lr=0.01, momentum=0.9)
     if timed is not None:
         for module in [m for m in model.modules() if not list(m.children())] + [crit, opt]:
-            _time_calls(module, timed)
+            _time_calls(module, timed, precision)
 
     def step():
         model.zero_grad(lazy=True)
@@ -51,14 +51,17 @@ def _dynar_step_fn(name, variant, threads, x, y, timed=None, precision="fp32"):
     return step
 
 
-def _layer_kind(module):
+def _layer_kind(module, precision):
+    """The breakdown's name for `module`'s calls; a layer that computes in another precision
+    than the run's (tuning's "/fp32" choices) says so."""
     kind = type(module).__name__
     if kind == "Conv2d":
-        return f"Conv2d {ALGORITHMS[module.kernel]}"
-    return kind
+        kind = f"Conv2d {ALGORITHMS[module.kernel]}"
+    own = getattr(module, "precision", precision)
+    return kind if own == precision else f"{kind} {own}"
 
 
-def _time_calls(obj, timed):
+def _time_calls(obj, timed, precision):
     import time
     for method in ("forward", "backward", "step"):
         inner = getattr(obj, method, None)
@@ -68,7 +71,7 @@ def _time_calls(obj, timed):
         def wrapper(*args, inner=inner, method=method):
             start = time.perf_counter()
             out = inner(*args)
-            key = f"{_layer_kind(obj)} {method}"
+            key = f"{_layer_kind(obj, precision)} {method}"
             timed[key] = timed.get(key, 0.0) + time.perf_counter() - start
             return out
         setattr(obj, method, wrapper)

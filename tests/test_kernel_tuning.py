@@ -176,7 +176,7 @@ def test_a_lead_over_the_thresholds_choice_is_rematched_in_turns(monkeypatch, pr
 
 def test_a_bf16_layer_is_timed_apart_on_its_bf16_kernels(cache, monkeypatch):
     """A layer in bf16 runs other kernels than in fp32: its shapes are cached apart and timed
-    with bf16 calls on rounded operands."""
+    with bf16 calls, as the layer makes them."""
     calls = []
 
     def fake(x_shape, layer, first=None):
@@ -216,21 +216,32 @@ def test_a_bf16_layer_computes_in_float32_where_that_is_faster(cache, monkeypatc
                         {"tapgemm": clock.kernel([2.0], fp32=[1.0]),
                          "winograd": clock.kernel([1.5], fp32=[3.0]),
                          "direct": clock.kernel([5.0], fp32=[0.5])})
+    # Each rounding pass of the portable path (the layer rounds x and w going forward,
+    # dy, x and w coming back) takes a quarter.
+    rounding = kernel_tuning.round_to_bf16
+
+    def timed_rounding(out, a):
+        clock.now += 0.25
+        return rounding(out, a)
+    monkeypatch.setattr(kernel_tuning, "round_to_bf16", timed_rounding)
     layer = alexnet().features[3]
     layer.precision = "bf16"
     seconds = kernel_tuning.time_algorithms((2, 64, 8, 8), layer, repeats=1, first="winograd")
     if not has_bf16_kernels:
-        assert seconds == {"winograd": 1.5, "tapgemm": 2.0, "direct": 5.0}
+        assert seconds == {"winograd": 2.75, "tapgemm": 3.25, "direct": 6.25}
         return
-    # Direct has no bf16 kernel: it is timed once, as the layer would run it.
-    assert seconds == {"winograd": 1.5, "tapgemm": 2.0, "direct": 5.0,
+    # Direct has no bf16 kernel: it is timed once, as the layer would run it, rounding.
+    assert seconds == {"winograd": 1.5, "tapgemm": 2.0, "direct": 6.25,
                        "winograd/fp32": 3.0, "tapgemm/fp32": 1.0}
     choice = kernel_tuning._fastest(seconds, "winograd")
     assert choice == "tapgemm/fp32"
-    # A near tie keeps bf16, the precision asked for (and the thresholds' choice within it).
+    # A near tie keeps bf16, the precision asked for (and the thresholds' choice within it);
+    # between float32's, the thresholds' algorithm.
     assert kernel_tuning._fastest({**seconds, "tapgemm/fp32": 1.45}, "winograd") == "winograd"
     assert kernel_tuning._fastest({"tapgemm": 1.0, "winograd": 1.02, "winograd/fp32": 0.99},
                                   "winograd") == "winograd"
+    assert kernel_tuning._fastest({"winograd": 1.3, "winograd/fp32": 1.0, "tapgemm/fp32": 0.99},
+                                  "winograd") == "winograd/fp32"
     model = precision.set_precision(alexnet(), "bf16")
     kernel_tuning.apply(model, [{"layer": "features.3", "choice": choice}])
     assert (model.features[3].algorithm, model.features[3].precision) == ("tapgemm", "fp32")

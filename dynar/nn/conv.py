@@ -16,6 +16,13 @@ ALGORITHMS = ("auto",) + tuple(conv_algorithms.ALGORITHMS)
 ROUNDING_ALGORITHMS = ("gemm", "winograd", "tapgemm")
 
 
+def rounds_itself(algorithm):
+    """Whether `algorithm`'s bf16 calls round what they read on this CPU, so that a bf16
+    layer hands it its operands as they are; else the layer rounds them into scratch
+    first (the portable path)."""
+    return algorithm in ROUNDING_ALGORITHMS and conv_kernels.bf16_kernels()
+
+
 def _pair(v):
     return (v, v) if isinstance(v, int) else tuple(v)
 
@@ -94,8 +101,7 @@ class Conv2d(Bf16Operands, Module):
     def _rounds_itself(self):
         # These algorithms' bf16 products round every operand they read; Winograd rounds its
         # transformed tiles rather than the input and output gradient.
-        return (self.precision == "bf16" and self._kernel in ROUNDING_ALGORITHMS
-                and conv_kernels.bf16_kernels())
+        return self.precision == "bf16" and rounds_itself(self._kernel)
 
     @property
     def kernel(self):

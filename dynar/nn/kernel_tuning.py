@@ -7,12 +7,12 @@ that supports it runs forward + backward a few times on scratch arrays (in bf16,
 layer runs them); the fastest is kept, but one that would displace the thresholds' choice
 is first timed again in turns with it. A bf16 layer on a CPU with bf16 convolution kernels
 also times the algorithms that have them in float32 ("tapgemm/fp32"): bf16 does not pay on
-every shape, and such a layer then computes in float32. Fully connected layers: each of the three products
-(y, dx, dw) is timed cut among threads along each of its two axes in blocks of each width of
-CUT_WIDTHS (nn/linear.py's plan), y and dx also on dynar's panel GEMM; in bf16 on a CPU
-with a bf16 GEMM kernel the layer runs kernels.bf16.matmul instead, which does not use the
-cuts. Results are cached in a file per machine and thread count (CPU model, ISA, dynar's
-kernel build), in
+every shape, and such a layer then computes in float32. Fully connected layers: each of the
+three products (y, dx, dw) is timed cut among threads along each of its two axes in blocks
+of each width of CUT_WIDTHS (nn/linear.py's plan), y and dx also on dynar's panel GEMM; in
+bf16 on a CPU with a bf16 GEMM kernel the layer runs kernels.bf16.matmul instead, which
+does not use the cuts. Results are cached in a file per machine and thread count (CPU
+model, ISA, dynar's kernel build), in
 $DYNAR_KERNEL_CACHE or ~/.cache/dynar/kernels, so a shape is timed once per machine;
 `python -m dynar.tune --kernels` fills it ahead of a job. DYNAR_KERNEL_TUNE=0 keeps
 conv_algorithms.preferred's thresholds and linear.DEFAULT_PLAN. A distributed job times on
@@ -34,10 +34,10 @@ from ..kernels import conv, direct, im2col, linear as linear_kernels, tapgemm, w
 from ..kernels.bf16 import round_to_bf16
 from . import conv_algorithms
 from .arena import mapped_empty
-from .conv import ROUNDING_ALGORITHMS, Conv2d as ConvLayer
+from .conv import ROUNDING_ALGORITHMS, Conv2d as ConvLayer, rounds_itself
 from .linear import AXES, DEFAULT_PLAN, PANELS, ROWS, Linear, parse_plan
 
-_FORMAT, _VERSION = "dynar-kernel-choices", 1
+_FORMAT, _VERSION = "dynar-kernel-choices", 2    # 2: bf16 layers' "/fp32" candidates
 REPEATS = 3
 NOISE = 0.05      # a lead smaller than this over the thresholds' choice does not count
 BUDGET_S = 0.5    # a candidate slower than this and well behind is not timed again
@@ -183,16 +183,16 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     NOISE ahead of `first` is timed again in turns with it, `repeats` rounds, before it
     counts as ahead."""
     rng = np.random.default_rng(0)
-    bf16 = layer.precision == "bf16"     # timed as the layer runs: rounded operands
+    bf16 = layer.precision == "bf16"
     x = _normal(rng, x_shape)
     w = mapped_empty(layer.weight.data.shape)
     w[...] = layer.weight.data
     b = None if layer.bias is None else np.zeros(layer.out_channels, np.float32)
     y = mapped_empty(conv.output_shape(x_shape, w.shape, layer.stride, layer.padding))
     dy = _normal(rng, y.shape)
-    if bf16:
-        for operand in (x, w, dy):
-            round_to_bf16(operand, operand)
+    # bf16 kernels round what they read; the portable path rounds into scratch every call,
+    # as the layer does (nn/precision.py), and is timed with those passes.
+    x_r, w_r, dy_r = (mapped_empty(a.shape) for a in (x, w, dy)) if bf16 else (None,) * 3
     dx = mapped_empty(x.shape) if layer.input_requires_grad else None
     dw, db = _zeros(w.shape), None if b is None else np.zeros_like(b)
     names = sorted(conv_algorithms.ALGORITHMS, key=lambda name: name != first)
@@ -203,12 +203,20 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
         candidates += [(name + IN_FP32, False) for name in names if name in ROUNDING_ALGORITHMS]
     seconds, steps = {}, {}
     for name, on_bf16 in candidates:
-        kernel = conv_algorithms.ALGORITHMS[split_choice(name)[0]]
+        algorithm = split_choice(name)[0]
+        kernel = conv_algorithms.ALGORITHMS[algorithm]
         if not kernel.supports(w.shape, layer.stride, layer.padding):
             continue
-        def step(kernel=kernel, on_bf16=on_bf16):
-            kernel.forward(y, x, w, b, layer.stride, layer.padding, bf16=on_bf16)
-            kernel.backward(dx, dw, db, dy, x, w, layer.stride, layer.padding, bf16=on_bf16)
+        def step(kernel=kernel, on_bf16=on_bf16,
+                 portable=on_bf16 and not rounds_itself(algorithm)):
+            xr, wr, dyr = x, w, dy
+            if portable:
+                xr, wr = round_to_bf16(x_r, x), round_to_bf16(w_r, w)
+            kernel.forward(y, xr, wr, b, layer.stride, layer.padding, bf16=on_bf16)
+            if portable:    # backward rounds all three again
+                dyr = round_to_bf16(dy_r, dy)
+                xr, wr = round_to_bf16(x_r, x), round_to_bf16(w_r, w)
+            kernel.backward(dx, dw, db, dyr, xr, wr, layer.stride, layer.padding, bf16=on_bf16)
         try:
             best = _best_of(step, repeats, seconds)
         finally:
@@ -321,8 +329,10 @@ def _fastest(ms, prior):
     in a bf16 layer needs a lead of NOISE over its bf16 candidates too."""
     best = min(ms, key=ms.get)
     in_bf16 = {name: t for name, t in ms.items() if not name.endswith(IN_FP32)}
-    if best not in in_bf16 and in_bf16 and min(in_bf16.values()) <= ms[best] * (1 + NOISE):
-        return _fastest(in_bf16, prior)
+    if best not in in_bf16 and in_bf16:
+        if min(in_bf16.values()) <= ms[best] * (1 + NOISE):
+            return _fastest(in_bf16, prior)
+        prior += IN_FP32    # among float32's, the thresholds' algorithm is the prior
     return prior if ms.get(prior, math.inf) <= ms[best] * (1 + NOISE) else best
 
 
@@ -345,7 +355,7 @@ def tuned_layers(model, batch):
 
 def kind(layer):
     """What a record's `choice` is for `layer`: "linear" (a plan of cuts) or "conv" (an
-    algorithm)."""
+    algorithm, "<algorithm>/fp32" for a bf16 layer that computes in float32)."""
     return "linear" if isinstance(layer, Linear) else "conv"
 
 

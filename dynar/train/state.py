@@ -42,7 +42,7 @@ class Run:
     schedule: object      # None for a constant learning rate
     position: Position
     classes: list = None  # the class names of an image folder or packed set
-    kernels: dict = None  # {layer: convolution algorithm or Linear.plan}, once chosen
+    kernels: dict = None  # {layer: convolution algorithm (maybe "/fp32") or Linear.plan}
 
     def settings(self):
         """RESUME_SETTINGS of this run, as a checkpoint stores them."""
