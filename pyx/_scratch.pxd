@@ -33,7 +33,7 @@ cdef enum:
     # Workspace starts on a cache line, so a kernel that lays its buffers out on vector
     # boundaries from there never has a vector load or store straddle two lines.
     WORKSPACE_ALIGN = 64
-    # Buffers from this size up are mappings of their own.
+    # Buffers from this size up are mappings of their own (as nn/arena.py's arrays).
     OWN_MAPPING_BYTES = 1 << 20
 
 
@@ -42,6 +42,8 @@ cdef enum:
 cdef inline void* _tracked_malloc(size_t nbytes) noexcept:
     cdef void* block = NULL
     cdef size_t total = nbytes + WORKSPACE_ALIGN
+    if total < nbytes:    # a size past the address space (from a caller's overflow)
+        return NULL
     if nbytes >= OWN_MAPPING_BYTES:
         block = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         if block == MAP_FAILED:

@@ -108,11 +108,12 @@ print(len(tracemalloc.take_snapshot().filter_traces([domain]).traces))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 @pytest.mark.parametrize("what", ["kernel tuning", "a released workspace"])
-def test_large_temporary_buffers_leave_malloc_s_threshold_alone(what):
+def test_large_temporary_buffers_keep_malloc_s_threshold_under_a_megabyte(what):
     # Each large block malloc frees raises its mmap threshold; later blocks below it come
     # from the heap, which keeps what a training step frees (ResNet-18's steps held 75 MB
-    # more after tuning in the same process). In a fresh process, after `what` freed larger
-    # buffers, a 1 MB array is still a mapping of its own, not in the heap.
+    # more after tuning in the same process). Blocks under 1 MB still come from malloc, so
+    # the threshold may reach that. In a fresh process, after `what` freed larger buffers,
+    # a 1 MB array is still a mapping of its own, not in the heap.
     code = f"""
 import numpy as np
 from dynar.kernels import conv, winograd

@@ -31,7 +31,8 @@ import mmap
 import numpy as np
 
 _ALIGN = 64     # bytes: every planned array starts on a cache line
-# Arrays from this size up get a memory mapping of their own (mapped_empty).
+# Arrays from this size up get a memory mapping of their own (mapped_empty; kernel
+# workspace likewise, pyx/_scratch.pxd).
 _OWN_MAPPING_BYTES = 1 << 20
 # Passes that take less in all than this are not worth an arena: LeNet at batch 64 (5 MB)
 # ran 3-5% slower a step on its bookkeeping, a few microseconds a layer, for a few MB saved
@@ -178,7 +179,7 @@ class StepArena:
             plan.takes.append((self._sizes[i], offsets[i], sharing))
         total = max((o + s for o, s, _, _ in placed), default=0)
         if total > self._arena.size:
-            self._arena = np.empty(total, np.uint8)
+            self._arena = mapped_empty((total,), np.uint8)
         return plan
 
     @property
