@@ -332,6 +332,25 @@ def test_export_errors_are_one_line_and_write_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.ckpt"]
 
 
+def test_eval_only_from_a_checkpoint_computes_each_layer_as_its_run_did(tmp_path, monkeypatch):
+    # A bf16 run whose tuning kept conv2 in float32 (written into the checkpoint here, as
+    # kernel tuning would): evaluating it must not run that layer in bf16.
+    from dynar import checkpoint
+    monkeypatch.setenv("DYNAR_BF16_ANY_CPU", "1")
+    short = dict(model="lenet", dataset="synthetic", eval_every=0, precision="bf16")
+    train(TrainConfig(max_steps=1, batch_size=16, checkpoint_dir=str(tmp_path), **short))
+    path = os.path.realpath(tmp_path / "last.ckpt")
+    state = checkpoint.load(path)
+    assert state["kernels"]["conv2"] != "gemm/fp32"
+    state["kernels"]["conv2"] = "gemm/fp32"
+    checkpoint.save(path, state)
+    result = train(TrainConfig(resume=str(tmp_path), eval_only=True, **short))
+    layers = dict(result.model.named_modules())
+    assert (layers["conv2"].algorithm, layers["conv2"].precision) == ("gemm", "fp32")
+    assert layers["conv1"].algorithm == state["kernels"]["conv1"]
+    assert layers["conv1"].precision == "bf16"
+
+
 def test_eval_only_from_a_checkpoint_takes_its_model_alone(tmp_path):
     from dynar import checkpoint, nn
     short = dict(model="lenet", dataset="synthetic", eval_every=0)

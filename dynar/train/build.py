@@ -115,15 +115,19 @@ def start_from(cfg, job, folder, run_state):
 
 def choose_kernels(cfg, job, run_data, run_state, threads):
     """Each convolution's algorithm and fully connected layer's plan, set on the model: a
-    resumed run's from its checkpoint (it continues bit for bit), else timed on rank 0
-    (nn/kernel_tuning.py) at this rank's micro-batch and run alike by every rank. Returns
-    the records the log gets."""
+    resumed or evaluated run's from its checkpoint (it continues bit for bit; a held-out
+    figure is the one its training reported, a bf16 run's float32 layers included), else
+    timed on rank 0 (nn/kernel_tuning.py) at this rank's micro-batch and run alike by every
+    rank; --eval-only from other weights times nothing (the thresholds). Returns the records
+    the log gets, or None."""
     model = run_state.model
     if run_state.kernels:
         layers = dict(model.named_modules())
         records = [{"layer": layer, "kind": kernel_tuning.kind(layers[layer]),
                     "choice": choice, "source": "checkpoint"}
                    for layer, choice in run_state.kernels.items()]
+    elif cfg.eval_only:
+        return None
     else:
         batch = run_data.train.batch_size // job.world // cfg.accumulate
         records = job.from_rank0(lambda: kernel_tuning.choose(model, batch, threads))

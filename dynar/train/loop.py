@@ -65,8 +65,7 @@ class Trainer:
         self.run_state = state.Run(cfg, self.model, self.num_classes, self.opt, self.sched,
                                    state.Position(), getattr(ds, "classes", None))
         start_from(cfg, job, self.folder, self.run_state)
-        self.kernels = None if cfg.eval_only else choose_kernels(cfg, job, self.data,
-                                                                 self.run_state, self.threads)
+        self.kernels = choose_kernels(cfg, job, self.data, self.run_state, self.threads)
         total = cfg.epochs * self.data.train.steps
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.report = Reporter(cfg.log, enabled=job.rank == 0, total_steps=self.total_steps,
@@ -207,6 +206,7 @@ class Trainer:
         if self.precision_note:
             report.message(self.precision_note)
         if cfg.eval_only:
+            report.kernels(self.kernels)
             return self.run_eval_only()
         report.message(start_line(cfg, self.data, self.job.world, self.threads,
                                   self.threads_from, bool(self.model.batch_norm_layers())))

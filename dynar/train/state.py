@@ -98,14 +98,14 @@ class Run:
                     f"{path}: saved with {flag} {saved[key]!r}, this run has {mine[key]!r} "
                     f"(resuming continues that run: {hint})")
         self.model.load_state_dict(state["model"])
+        # The algorithms it ran, so that it continues bit for bit on any machine.
+        self.kernels = state.get("kernels")
         if evaluate_only:
             return
         self.optimizer.load_state_dict(state["optimizer"])
         if self.schedule is not None and state["schedule"] is not None:
             self.schedule.load_state_dict(state["schedule"])
         self.model.generator.bit_generator.state = state["generator"]
-        # The algorithms it ran, so that it continues bit for bit on any machine.
-        self.kernels = state.get("kernels")
         self.position = Position(state["epoch"], state["step_in_epoch"], state["global_step"])
 
 
