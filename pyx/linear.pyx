@@ -143,7 +143,6 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     """dx: (N, In) or NULL; dw: (Out, In); db: (Out,) or NULL; dy: (N, Out); x: (N, In);
     w: (Out, In). dw and db are added to, or overwritten when not accumulate. panels:
     panel_size(N, Out) of workspace where dx's cut is PANELS."""
-    cdef Py_ssize_t blocks, blk, o0, o1, o
     cdef floating keep = 1 if accumulate else 0     # BLAS reads no c at beta 0
     if dx != NULL and dx_axis == ON_PANELS:
         _on_panels(dx, panels, dy, w, False, NULL, N, Out, In, dx_width, block_bytes)
@@ -151,8 +150,14 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         _cut_gemm(dx_axis, dx_width, False, False, N, In, Out, dy, Out, w, In,
                   <floating> 0, dx, In)
     _cut_gemm(dw_axis, dw_width, True, False, Out, In, N, dy, Out, x, In, keep, dw, In)
-    if db == NULL:
-        return
+    if db != NULL:
+        _bias_gradient(db, dy, N, Out, accumulate)
+
+
+cdef void _bias_gradient(floating* db, const floating* dy, Py_ssize_t N, Py_ssize_t Out,
+                         bint accumulate) noexcept nogil:
+    """db (Out,) (+)= the column sums of dy (N, Out), in lanes (_lane_sums.pxd)."""
+    cdef Py_ssize_t blocks, blk, o0, o1, o
     blocks = (Out + DB_BLOCK - 1) // DB_BLOCK
     for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         o0 = blk * DB_BLOCK
@@ -300,3 +305,24 @@ def linear_backward(dx, dw, db, dy, x, w, dx_cut=DEFAULT_CUT, dw_cut=DEFAULT_DW_
     finally:
         if panels != NULL:
             scratch_give(&_packed, panels, private)
+
+
+def bias_gradient(db, dy, accumulate=True):
+    """db (out,) += the column sums of dy (N, out), or = them when not `accumulate`: the
+    bias gradient linear_backward computes, for a layer whose products run elsewhere (the
+    bf16 GEMM kernels), summed the same way."""
+    cdef FloatKind kind = float_kind("dy", dy)
+    dya = check_float("dy", dy, 2, kind)
+    N, Out = (<object> dya).shape
+    dba = check_float("db", db, 1, kind, output=True)
+    check_shape("db", dba, (Out,))
+    check_disjoint("db", dba, "dy", dya)
+    cdef void* dbp = data(dba)
+    cdef void* dyp = data(dya)
+    cdef Py_ssize_t n = N, o = Out
+    cdef bint keep = accumulate
+    with nogil:
+        if kind == F32:
+            _bias_gradient(<float*> dbp, <float*> dyp, n, o, keep)
+        else:
+            _bias_gradient(<double*> dbp, <double*> dyp, n, o, keep)

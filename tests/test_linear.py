@@ -75,6 +75,27 @@ def test_linear_backward_without_accumulate_overwrites_and_never_reads(dtype, rn
     np.testing.assert_array_equal(db, added_b)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bias_gradient_alone_is_linear_backward_s(dtype, rng):
+    # The bias gradient of bf16 layers, whose products run elsewhere: linear_backward's lane
+    # sums bit for bit, overwriting (never reading a stale NaN) or adding.
+    x = rng.standard_normal((37, 9)).astype(dtype)
+    w = rng.standard_normal((130, 9)).astype(dtype)
+    dy = rng.standard_normal((37, 130)).astype(dtype)
+    expected = np.empty(130, dtype)
+    linear.linear_backward(None, np.zeros_like(w), expected, dy, x, w, accumulate=False)
+    db = np.full(130, np.nan, dtype)
+    linear.bias_gradient(db, dy, accumulate=False)
+    np.testing.assert_array_equal(db, expected)
+    linear.bias_gradient(db, dy)
+    np.testing.assert_array_equal(db, expected + expected)
+    with pytest.raises(ValueError, match="db: expected shape"):
+        linear.bias_gradient(np.zeros(129, dtype), dy)
+    with pytest.raises(TypeError, match="db"):
+        linear.bias_gradient(np.zeros(130, np.float64 if dtype == np.float32 else np.float32),
+                             dy)
+
+
 def _random_parity_cases(count, seed=7):
     rng = np.random.default_rng(seed)
     return [(int(rng.integers(1, 17)), int(rng.integers(1, 150)), int(rng.integers(1, 150)),

@@ -3,7 +3,7 @@ import numpy as np
 
 from ..kernels.bf16 import matmul
 from ..kernels.linear import (COLS, DEFAULT_CUT, DEFAULT_DW_CUT, PANELS, ROWS,
-                              linear_backward, linear_forward)
+                              bias_gradient, linear_backward, linear_forward)
 from . import init, precision
 from .module import Module
 from .parameter import Parameter
@@ -101,10 +101,7 @@ class Linear(Bf16Operands, Module):
                    kernel=kernel)                                        # (+)= dy^T x
             if self.bias is not None:   # from the rounded dy, as on the portable path
                 dyr = self._rounded("_scratch_dy", dy)
-                if add:
-                    self.bias.grad += dyr.sum(axis=0)
-                else:
-                    dyr.sum(axis=0, out=self.bias.grad)
+                bias_gradient(self.bias.grad, dyr, accumulate=add)
                 self._give_back((dyr,))
             self._grad_ready()
             return dx

@@ -154,9 +154,9 @@ def build_parser():
     a("--warmup-epochs", type=_non_negative_float,
       help="linear learning-rate warm-up from lr/3, in epochs (fractions allowed)")
     a("--threads", type=_positive_int,
-      help="compute threads per process (default: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK, "
-           "else the node's cores divided by its ranks; never more than the CPUs the process "
-           "may run on; the start line says which)")
+      help="compute threads per process, used as given (default: OMP_NUM_THREADS, else "
+           "SLURM_CPUS_PER_TASK, else the node's cores divided by its ranks, never more than "
+           "the CPUs the process may run on; the start line says which)")
     a("--seed", type=_non_negative_int, default=_DEFAULTS.seed,
       help="seed of initial weights, shuffling, augmentation")
     a("--log", metavar="FILE", help="append JSON lines: one per step and epoch, and a summary")
