@@ -216,14 +216,14 @@ def test_a_bf16_layer_computes_in_float32_where_that_is_faster(cache, monkeypatc
                         {"tapgemm": clock.kernel([2.0], fp32=[1.0]),
                          "winograd": clock.kernel([1.5], fp32=[3.0]),
                          "direct": clock.kernel([5.0], fp32=[0.5])})
-    # Each rounding pass of the portable path (the layer rounds x and w going forward,
-    # dy, x and w coming back) takes a quarter.
-    rounding = kernel_tuning.round_to_bf16
+    # Each rounding pass of the portable path (the layer's own, nn/precision.py: x and w
+    # going forward, dy, x and w coming back) takes a quarter.
+    rounding = precision.round_to_bf16
 
     def timed_rounding(out, a):
         clock.now += 0.25
         return rounding(out, a)
-    monkeypatch.setattr(kernel_tuning, "round_to_bf16", timed_rounding)
+    monkeypatch.setattr(precision, "round_to_bf16", timed_rounding)
     layer = alexnet().features[3]
     layer.precision = "bf16"
     seconds = kernel_tuning.time_algorithms((2, 64, 8, 8), layer, repeats=1, first="winograd")

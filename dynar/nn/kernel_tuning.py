@@ -25,17 +25,18 @@ import os
 import platform
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 
 from ..atomic_write import write_text
 from ..kernels import conv, direct, im2col, linear as linear_kernels, tapgemm, winograd
-from ..kernels.bf16 import round_to_bf16
 from . import conv_algorithms
 from .arena import mapped_empty
 from .conv import ROUNDING_ALGORITHMS, Conv2d as ConvLayer, rounds_itself
 from .linear import AXES, DEFAULT_PLAN, PANELS, ROWS, Linear, parse_plan
+from .precision import Bf16Operands
 
 _FORMAT, _VERSION = "dynar-kernel-choices", 2    # 2: bf16 layers' "/fp32" candidates
 REPEATS = 3
@@ -172,6 +173,20 @@ def _zeros(shape):
     return a
 
 
+class _PortableRounding(Bf16Operands):
+    """A bf16 layer's rounding of its operands on the portable path (nn/precision.py: what
+    it rounds in forward and in backward, into scratch, every call), for timing that path
+    as the layer runs it. Its scratch is its own, in mappings, and goes with it."""
+    precision = "bf16"
+    _arena = None
+
+    def __init__(self, weight):
+        self.weight = types.SimpleNamespace(data=weight)
+
+    def _reuse(self, array, shape, dtype=np.float32):
+        return array if array is not None and array.shape == shape else mapped_empty(shape, dtype)
+
+
 def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     """{algorithm: best seconds of forward + backward} of every algorithm that supports
     `layer` (and {"<algorithm>/fp32": ...} of a bf16 layer's, as the module says), on
@@ -190,9 +205,9 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     b = None if layer.bias is None else np.zeros(layer.out_channels, np.float32)
     y = mapped_empty(conv.output_shape(x_shape, w.shape, layer.stride, layer.padding))
     dy = _normal(rng, y.shape)
-    # bf16 kernels round what they read; the portable path rounds into scratch every call,
-    # as the layer does (nn/precision.py), and is timed with those passes.
-    x_r, w_r, dy_r = (mapped_empty(a.shape) for a in (x, w, dy)) if bf16 else (None,) * 3
+    # bf16 kernels round what they read; the portable path is timed with the rounding
+    # passes the layer makes every call.
+    rounding = _PortableRounding(w)
     dx = mapped_empty(x.shape) if layer.input_requires_grad else None
     dw, db = _zeros(w.shape), None if b is None else np.zeros_like(b)
     names = sorted(conv_algorithms.ALGORITHMS, key=lambda name: name != first)
@@ -211,11 +226,10 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
                  portable=on_bf16 and not rounds_itself(algorithm)):
             xr, wr, dyr = x, w, dy
             if portable:
-                xr, wr = round_to_bf16(x_r, x), round_to_bf16(w_r, w)
+                xr, wr, _ = rounding._forward_operands(x)
             kernel.forward(y, xr, wr, b, layer.stride, layer.padding, bf16=on_bf16)
-            if portable:    # backward rounds all three again
-                dyr = round_to_bf16(dy_r, dy)
-                xr, wr = round_to_bf16(x_r, x), round_to_bf16(w_r, w)
+            if portable:
+                dyr, xr, wr, _ = rounding._backward_operands(dy, x)
             kernel.backward(dx, dw, db, dyr, xr, wr, layer.stride, layer.padding, bf16=on_bf16)
         try:
             best = _best_of(step, repeats, seconds)
