@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
+from hypothesis import event, note, strategies as st
 
 # The exceptions a kernel may refuse a call with; anything else (SystemError, OverflowError,
 # IndexError, a crash) is a bug.
@@ -161,6 +161,21 @@ def snapshot(args):
     these, as outputs may be the inputs themselves."""
     return {name: value.copy() if isinstance(value, np.ndarray) else value
             for name, value in args.items()}
+
+
+def run_spoiled(call, args, accepted):
+    """`call` on spoiled `args`: where `accepted` (the caller's rules) says the call is
+    invalid it must raise REFUSED, and None is returned; else it runs, and (the arguments as
+    they were before it, its result) is returned for the caller to check."""
+    note(describe(args))
+    before = snapshot(args)
+    if not accepted:
+        event("refused")
+        with pytest.raises(REFUSED):
+            call(*args.values())
+        return None
+    event("computed")
+    return before, call(*args.values())
 
 
 def describe(args):
