@@ -156,7 +156,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
 
 cdef void _bias_gradient(floating* db, const floating* dy, Py_ssize_t N, Py_ssize_t Out,
                          bint accumulate) noexcept nogil:
-    """db (Out,) (+)= the column sums of dy (N, Out), in lanes (_lane_sums.pxd)."""
+    """db (Out,) (+)= the column sums of dy (N, Out), each in double in a fixed order."""
     cdef Py_ssize_t blocks, blk, o0, o1, o
     blocks = (Out + DB_BLOCK - 1) // DB_BLOCK
     for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
@@ -313,6 +313,8 @@ def bias_gradient(db, dy, accumulate=True):
     bf16 GEMM kernels), summed the same way."""
     cdef FloatKind kind = float_kind("dy", dy)
     dya = check_float("dy", dy, 2, kind)
+    if (<object> dya).size == 0:
+        raise ValueError(f"dy: every dimension must be >= 1, got shape {(<object> dya).shape}")
     N, Out = (<object> dya).shape
     dba = check_float("db", db, 1, kind, output=True)
     check_shape("db", dba, (Out,))

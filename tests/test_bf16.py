@@ -497,6 +497,12 @@ def test_bf16_linear_computes_on_rounded_operands_in_float32(kernel, rng, monkey
     assert _rel(dx, dy64 @ w64) < 2e-6
     assert _rel(layer.weight.grad, dy64.T @ x64) < 2e-6
     assert _rel(layer.bias.grad, dy64.sum(0)) < 2e-6
+    # Whichever kernel ran the products, the bias gradient is the float32 path's sum.
+    db = np.empty(70, np.float32)
+    kernels.linear.linear_backward(None, np.empty((70, 300), np.float32), db,
+                                   dy64.astype(np.float32), x, layer.weight.data,
+                                   accumulate=False)
+    np.testing.assert_array_equal(layer.bias.grad, db)
     assert _rel(y, x.astype(np.float64) @ layer.weight.data.T.astype(np.float64)
                 + layer.bias.data) > 1e-4
 
@@ -681,3 +687,17 @@ def test_resume_in_the_other_precision_needs_the_flag(tmp_path, monkeypatch):
     done = train(TrainConfig(resume=str(tmp_path), allow_precision_change=True,
                              **dict(SHORT, max_steps=3)))
     assert done.summary["steps"] == 3 and done.summary["precision"] == "fp32"
+
+
+def test_evaluating_a_bf16_run_asks_for_its_precision(tmp_path, monkeypatch):
+    # Evaluating computes as the run did: in another precision only when asked to.
+    monkeypatch.setenv(precision.ANY_CPU_VARIABLE, "1")
+    train(TrainConfig(checkpoint_dir=str(tmp_path), precision="bf16", **SHORT))
+    evaluate = dict(SHORT, resume=str(tmp_path), eval_only=True)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="saved with --precision 'bf16', this run has 'fp32' \\(evaluating"
+                             ".*--allow-precision-change"):
+        train(TrainConfig(**evaluate))
+    assert train(TrainConfig(precision="bf16", **evaluate)).summary["precision"] == "bf16"
+    assert train(TrainConfig(allow_precision_change=True, **evaluate)
+                 ).summary["precision"] == "fp32"

@@ -10,7 +10,7 @@ What the step pays is the *exposed* time: finish of the last bucket minus ready_
 `plan()` finds the optimum exactly by dynamic programming over layer prefixes; `evaluate()`
 gives any bucket list the same figures (the online trials' baselines), and `fixed_plan()`
 those of sync.py's fixed modes as they run (perf/scale.py's predictions). Everything here
-is a pure function of its inputs: every rank passes the same (allreduced) timings and gets
+is a pure function of its inputs: every rank passes the same (allgathered) timings and gets
 the same plan, which keeps the sequence of collectives identical on all ranks.
 """
 from dataclasses import dataclass

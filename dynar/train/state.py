@@ -19,8 +19,9 @@ RESUME_SETTINGS = ("model", "input_shape", "num_classes", "dataset", "batch_size
                    "nesterov", "schedule", "step_epochs", "milestones", "gamma",
                    "warmup_epochs", "batchnorm", "label_smoothing", "clip_grad_norm",
                    "accumulate", "no_wd_bn_bias", "precision")
-# What evaluating a checkpoint (--eval-only) needs of it: the same model.
-EVAL_SETTINGS = ("model", "input_shape", "num_classes", "dropout")
+# What evaluating a checkpoint (--eval-only) needs of it: the same model, computing in the
+# same precision (unless --allow-precision-change).
+EVAL_SETTINGS = ("model", "input_shape", "num_classes", "dropout", "precision")
 _SETTING_FLAGS = {"input_shape": "--variant"}
 
 
@@ -71,8 +72,8 @@ class Run:
 
     def restore(self, state, path, evaluate_only=False):
         """Continue from `state`, the checkpoint loaded from `path`, refusing one saved with
-        other RESUME_SETTINGS, naming the flag; evaluate_only takes its model alone, refusing
-        another model only (EVAL_SETTINGS)."""
+        other RESUME_SETTINGS, naming the flag; evaluate_only takes its model and its layers'
+        kernel choices, refusing another model or precision only (EVAL_SETTINGS)."""
         if state.get("format") != FORMAT:
             raise checkpoint.CheckpointError(f"{path}: not a dynar training checkpoint")
         saved = state["config"]
@@ -92,11 +93,13 @@ class Run:
                     f"--data-dir must hold the same classes)")
             if key in saved and saved[key] != mine[key]:
                 flag = _SETTING_FLAGS.get(key, "--" + key.replace("_", "-"))
-                hint = ("or pass --allow-precision-change" if key == "precision"
-                        else "give it the same settings")
+                hint = ("give it the same --precision or pass --allow-precision-change"
+                        if key == "precision" else "give it the same settings")
+                what = ("evaluating computes as that run did" if evaluate_only
+                        else "resuming continues that run")
                 raise checkpoint.CheckpointError(
                     f"{path}: saved with {flag} {saved[key]!r}, this run has {mine[key]!r} "
-                    f"(resuming continues that run: {hint})")
+                    f"({what}: {hint})")
         self.model.load_state_dict(state["model"])
         # The algorithms it ran, so that it continues bit for bit on any machine.
         self.kernels = state.get("kernels")
