@@ -696,7 +696,8 @@ def test_evaluating_a_bf16_run_asks_for_its_precision(tmp_path, monkeypatch):
     evaluate = dict(SHORT, resume=str(tmp_path), eval_only=True)
     with pytest.raises(checkpoint.CheckpointError,
                        match="saved with --precision 'bf16', this run has 'fp32' \\(evaluating"
-                             ".*--allow-precision-change"):
+                             ".*bf16 instructions, or with DYNAR_BF16_ANY_CPU=1\\) or pass "
+                             "--allow-precision-change"):
         train(TrainConfig(**evaluate))
     assert train(TrainConfig(precision="bf16", **evaluate)).summary["precision"] == "bf16"
     assert train(TrainConfig(allow_precision_change=True, **evaluate)

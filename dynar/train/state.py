@@ -7,6 +7,7 @@ import os
 import tempfile
 
 from .. import checkpoint
+from ..nn import precision
 
 FORMAT = "dynar-train-v1"
 
@@ -93,8 +94,12 @@ class Run:
                     f"--data-dir must hold the same classes)")
             if key in saved and saved[key] != mine[key]:
                 flag = _SETTING_FLAGS.get(key, "--" + key.replace("_", "-"))
-                hint = ("give it the same --precision or pass --allow-precision-change"
-                        if key == "precision" else "give it the same settings")
+                hint = "give it the same settings"
+                if key == "precision":
+                    # A bf16 request on a CPU without bf16 instructions runs (and is) fp32.
+                    where = (" (on a CPU with bf16 instructions, or with "
+                             f"{precision.ANY_CPU_VARIABLE}=1)" if saved[key] == "bf16" else "")
+                    hint = f"give it the same --precision{where} or pass --allow-precision-change"
                 what = ("evaluating computes as that run did" if evaluate_only
                         else "resuming continues that run")
                 raise checkpoint.CheckpointError(
