@@ -76,8 +76,8 @@ def test_linear_backward_without_accumulate_overwrites_and_never_reads(dtype, rn
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_bias_gradient_alone_is_linear_backward_s(dtype, rng):
-    # The bias gradient of bf16 layers, whose products run elsewhere: linear_backward's lane
-    # sums bit for bit, overwriting (never reading a stale NaN) or adding.
+    # The bias gradient of bf16 layers, whose products run elsewhere: linear_backward's sums
+    # bit for bit, overwriting (never reading a stale NaN) or adding.
     x = rng.standard_normal((37, 9)).astype(dtype)
     w = rng.standard_normal((130, 9)).astype(dtype)
     dy = rng.standard_normal((37, 130)).astype(dtype)
