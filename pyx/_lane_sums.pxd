@@ -21,20 +21,36 @@ cdef inline double lanes_total(double* acc) noexcept nogil:
     return acc[0]
 
 
+cdef inline void lanes_zero(double* acc, Py_ssize_t count) noexcept nogil:
+    cdef Py_ssize_t l
+    for l in range(count):
+        acc[l] = 0
+
+
+cdef inline void lanes_add(double* acc, const floating* run, Py_ssize_t length) noexcept nogil:
+    """acc[i % LANES] += run[i] for i < length: one run of a lane sum."""
+    # Summed in a local copy: extension modules build with -fno-strict-aliasing, so through
+    # `acc` itself every add would be stored and reloaded in case acc overlapped `run`.
+    cdef double lane[LANES]
+    cdef Py_ssize_t i, l, whole = length - length % LANES
+    for l in range(LANES):
+        lane[l] = acc[l]
+    for i in range(whole // LANES):
+        for l in range(LANES):
+            lane[l] = lane[l] + run[i * LANES + l]
+    for l in range(length - whole):
+        lane[l] = lane[l] + run[whole + l]
+    for l in range(LANES):
+        acc[l] = lane[l]
+
+
 cdef inline double runs_sum(const floating* a, Py_ssize_t runs, Py_ssize_t stride,
                             Py_ssize_t length) noexcept nogil:
     """The sum of a[n * stride + i] over n < runs and i < length: `runs` runs of `length`
     adjacent values (a channel of an NCHW batch: runs = N, stride = C H W, length = H W)."""
     cdef double acc[LANES]
-    cdef const floating* run
-    cdef Py_ssize_t n, i, l, whole = length - length % LANES
-    for l in range(LANES):
-        acc[l] = 0
+    cdef Py_ssize_t n
+    lanes_zero(acc, LANES)
     for n in range(runs):
-        run = a + n * stride
-        for i in range(whole // LANES):
-            for l in range(LANES):
-                acc[l] = acc[l] + run[i * LANES + l]
-        for l in range(length - whole):
-            acc[l] = acc[l] + run[whole + l]
+        lanes_add(acc, a + n * stride, length)
     return lanes_total(acc)

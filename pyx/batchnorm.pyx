@@ -20,47 +20,112 @@ the same per-channel computations run split where the sums are taken, so that th
 add up every process's sums in between: batchnorm2d_shard_sums (a shard's statistics),
 batchnorm2d_forward_with_statistics, batchnorm2d_gradient_sums, batchnorm2d_input_gradient.
 
-Parallelism: prange over channels. A channel's sums stay in one thread in a fixed order, so
-results are bitwise the same for every thread count.
+Parallelism: prange over blocks of channels. A channel's sums stay in one thread in a fixed
+order, so results are bitwise the same for every thread count.
 """
 from cython cimport floating
 from cython.parallel cimport prange
 from libc.math cimport sqrt
 cimport numpy as cnp
 
-from _lane_sums cimport LANES, lanes_total, runs_sum
+from _lane_sums cimport LANES, lanes_add, lanes_total, lanes_zero
 from _parallel cimport threads_for
 from _validate cimport check_real, F32, F64, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
 
 cnp.import_array()
 
 
-cdef struct GradientSums:
-    double dy        # sum(dy)
-    double dy_xc     # sum(dy (x - mean)); times invstd it is sum(dy xhat)
+# -- a block of channels is a thread's unit of work. A channel of an NCHW batch is N runs of
+# H W values, too short for the hardware prefetchers once H W is small (8x8: 256 bytes a
+# run); a block's part of each image is one run of (block channels) x H W values. Each
+# channel's sums still add its values in the channel-alone order, so the block size (and the
+# thread count it follows) never changes a result.
+
+cdef enum:
+    BLOCK_VALUES = 1024     # values a block aims to read per image: 4 KiB of float32
+    MAX_BLOCK = 64          # channels a block takes at most: its lane sums live on the stack
 
 
-# Sums in lanes (_lane_sums.pxd) whose summands are not the values themselves.
+cdef inline Py_ssize_t _block_channels(Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    """Channels per block: BLOCK_VALUES per image, but every thread gets a block."""
+    cdef Py_ssize_t threads = threads_for(C)
+    cdef Py_ssize_t block = BLOCK_VALUES // HW
+    if block > MAX_BLOCK:
+        block = MAX_BLOCK
+    if block > (C + threads - 1) // threads:
+        block = (C + threads - 1) // threads
+    return block if block > 1 else 1
 
-cdef inline double _channel_squared_deviations(const floating* x, double mu, Py_ssize_t c,
-                                               Py_ssize_t N, Py_ssize_t C,
-                                               Py_ssize_t HW) noexcept nogil:
-    cdef double acc[LANES]
+
+cdef inline void _add_squared_deviations(double* acc, const floating* run, double mu,
+                                         Py_ssize_t length) noexcept nogil:
+    """acc[i % LANES] += (run[i] - mu)^2 for i < length (in a local copy, as lanes_add)."""
+    cdef double lane[LANES]
     cdef double dev
-    cdef const floating* xc
-    cdef Py_ssize_t n, i, l, whole = HW - HW % LANES
+    cdef Py_ssize_t i, l, whole = length - length % LANES
     for l in range(LANES):
-        acc[l] = 0
+        lane[l] = acc[l]
+    for i in range(whole // LANES):
+        for l in range(LANES):
+            dev = run[i * LANES + l] - mu
+            lane[l] = lane[l] + dev * dev
+    for l in range(length - whole):
+        dev = run[whole + l] - mu
+        lane[l] = lane[l] + dev * dev
+    for l in range(LANES):
+        acc[l] = lane[l]
+
+
+cdef inline void _add_gradient_products(double* acc_dy, double* acc_dy_xc, const floating* dy,
+                                        const floating* x, floating mu,
+                                        Py_ssize_t length) noexcept nogil:
+    """acc_dy[i % LANES] += dy[i], acc_dy_xc[i % LANES] += dy[i] (x[i] - mu), i < length
+    (in local copies, as lanes_add)."""
+    cdef double lane_dy[LANES]
+    cdef double lane_dy_xc[LANES]
+    cdef Py_ssize_t i, j, l, whole = length - length % LANES
+    for l in range(LANES):
+        lane_dy[l] = acc_dy[l]
+        lane_dy_xc[l] = acc_dy_xc[l]
+    for i in range(whole // LANES):
+        # Two loops: as one, the compiler leaves the products scalar.
+        for l in range(LANES):
+            lane_dy[l] = lane_dy[l] + dy[i * LANES + l]
+        for l in range(LANES):
+            j = i * LANES + l
+            lane_dy_xc[l] = lane_dy_xc[l] + dy[j] * <double> (x[j] - mu)
+    for l in range(length - whole):
+        lane_dy[l] = lane_dy[l] + dy[whole + l]
+        lane_dy_xc[l] = lane_dy_xc[l] + dy[whole + l] * <double> (x[whole + l] - mu)
+    for l in range(LANES):
+        acc_dy[l] = lane_dy[l]
+        acc_dy_xc[l] = lane_dy_xc[l]
+
+
+# -- the stages of a training step over the channels [c0, c1), paired forward and backward.
+# Per-block outputs (sums, squares, sum_dy, sum_dy_xc) are indexed from c0.
+
+cdef inline void _block_statistics(double* sums, double* squares, const floating* x,
+                                   Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t N, Py_ssize_t C,
+                                   Py_ssize_t HW) noexcept nogil:
+    """sums, squares = each channel's sum over (N, H, W) and its squared deviations about its
+    own mean: two passes, the block's values in cache between them."""
+    cdef double acc[MAX_BLOCK * LANES]
+    cdef Py_ssize_t n, c, k = c1 - c0
+    cdef Py_ssize_t m = N * HW
+    lanes_zero(acc, k * LANES)
     for n in range(N):
-        xc = x + (n * C + c) * HW
-        for i in range(whole // LANES):
-            for l in range(LANES):
-                dev = xc[i * LANES + l] - mu
-                acc[l] = acc[l] + dev * dev
-        for l in range(HW - whole):
-            dev = xc[whole + l] - mu
-            acc[l] = acc[l] + dev * dev
-    return lanes_total(acc)
+        for c in range(c0, c1):
+            lanes_add(acc + (c - c0) * LANES, x + (n * C + c) * HW, HW)
+    for c in range(k):
+        sums[c] = lanes_total(acc + c * LANES)
+    lanes_zero(acc, k * LANES)
+    for n in range(N):
+        for c in range(c0, c1):
+            _add_squared_deviations(acc + (c - c0) * LANES, x + (n * C + c) * HW,
+                                    sums[c - c0] / m, HW)
+    for c in range(k):
+        squares[c] = lanes_total(acc + c * LANES)
 
 
 cdef inline void _channel_batch_statistics(floating* mean, floating* invstd,
@@ -75,22 +140,98 @@ cdef inline void _channel_batch_statistics(floating* mean, floating* invstd,
     running_var[c] = <floating> ((1 - momentum) * running_var[c] + momentum * var * m / (m - 1))
 
 
-cdef inline void _channel_normalize(floating* y, const floating* x, const floating* mean,
-                                    const floating* invstd, const floating* gamma,
-                                    const floating* beta, Py_ssize_t c, Py_ssize_t N,
-                                    Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+cdef inline void _block_normalize(floating* y, const floating* x, const floating* mean,
+                                  const floating* invstd, const floating* gamma,
+                                  const floating* beta, Py_ssize_t c0, Py_ssize_t c1,
+                                  Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     # With the rounded mean/invstd that backward will be given.
-    cdef floating mu_c = mean[c]
-    cdef floating scale = invstd[c] * gamma[c]
-    cdef floating shift = beta[c]
+    cdef floating mu_c, scale, shift
     cdef const floating* xc
     cdef floating* yc
-    cdef Py_ssize_t n, i
+    cdef Py_ssize_t n, c, i
     for n in range(N):
-        xc = x + (n * C + c) * HW
-        yc = y + (n * C + c) * HW
-        for i in range(HW):
-            yc[i] = (xc[i] - mu_c) * scale + shift
+        for c in range(c0, c1):
+            mu_c = mean[c]
+            scale = invstd[c] * gamma[c]
+            shift = beta[c]
+            xc = x + (n * C + c) * HW
+            yc = y + (n * C + c) * HW
+            for i in range(HW):
+                yc[i] = (xc[i] - mu_c) * scale + shift
+
+
+cdef inline void _block_gradient_sums(double* sum_dy, double* sum_dy_xc, floating* dgamma,
+                                      floating* dbeta, const floating* dy, const floating* x,
+                                      const floating* mean, const floating* invstd,
+                                      Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t N,
+                                      Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    """sum_dy, sum_dy_xc = each channel's sum(dy) and sum(dy (x - mean)), times invstd
+    sum(dy xhat); dbeta, dgamma (indexed by channel) += the parameter gradients they give."""
+    cdef double acc_dy[MAX_BLOCK * LANES]
+    cdef double acc_dy_xc[MAX_BLOCK * LANES]
+    cdef Py_ssize_t n, c, off, k = c1 - c0
+    lanes_zero(acc_dy, k * LANES)
+    lanes_zero(acc_dy_xc, k * LANES)
+    for n in range(N):
+        for c in range(c0, c1):
+            off = (n * C + c) * HW
+            _add_gradient_products(acc_dy + (c - c0) * LANES, acc_dy_xc + (c - c0) * LANES,
+                                   dy + off, x + off, mean[c], HW)
+    for c in range(c0, c1):
+        sum_dy[c - c0] = lanes_total(acc_dy + (c - c0) * LANES)
+        sum_dy_xc[c - c0] = lanes_total(acc_dy_xc + (c - c0) * LANES)
+        dbeta[c] += <floating> sum_dy[c - c0]
+        dgamma[c] += <floating> (sum_dy_xc[c - c0] * invstd[c])
+
+
+cdef inline void _block_input_gradient(floating* dx, const floating* dy, const floating* x,
+                                       const floating* gamma, const floating* mean,
+                                       const floating* invstd, const double* sum_dy,
+                                       const double* sum_dy_xc, double m, bint training,
+                                       Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t N,
+                                       Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    """dx from the channels' sums over the m values they were taken over."""
+    cdef floating mu_c, invstd_c, scale, mean_dy, xc_coef
+    cdef Py_ssize_t n, c, i, off
+    for n in range(N):
+        for c in range(c0, c1):
+            off = (n * C + c) * HW
+            mu_c = mean[c]
+            invstd_c = invstd[c]
+            scale = gamma[c] * invstd_c
+            if training:
+                # dx = scale (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))
+                mean_dy = <floating> (sum_dy[c - c0] / m)
+                xc_coef = <floating> (sum_dy_xc[c - c0] * invstd_c * invstd_c / m)
+                for i in range(HW):
+                    dx[off + i] = (dy[off + i] - mean_dy - (x[off + i] - mu_c) * xc_coef) * scale
+            else:
+                for i in range(HW):
+                    dx[off + i] = dy[off + i] * scale
+
+
+# -- the kernels: prange over blocks.
+
+cdef inline void _forward_block(floating* y, floating* mean, floating* invstd,
+                                floating* running_mean, floating* running_var,
+                                const floating* x, const floating* gamma, const floating* beta,
+                                bint training, double momentum, double eps, Py_ssize_t c0,
+                                Py_ssize_t c1, Py_ssize_t N, Py_ssize_t C,
+                                Py_ssize_t HW) noexcept nogil:
+    cdef double sums[MAX_BLOCK]
+    cdef double squares[MAX_BLOCK]
+    cdef Py_ssize_t c, m = N * HW
+    if training:
+        _block_statistics(sums, squares, x, c0, c1, N, C, HW)
+        for c in range(c0, c1):
+            _channel_batch_statistics(mean, invstd, running_mean, running_var,
+                                      sums[c - c0] / m, squares[c - c0] / m, m, momentum,
+                                      eps, c)
+    else:
+        for c in range(c0, c1):
+            mean[c] = running_mean[c]
+            invstd[c] = <floating> (1 / sqrt(running_var[c] + eps))
+    _block_normalize(y, x, mean, invstd, gamma, beta, c0, c1, N, C, HW)
 
 
 cdef void _forward(floating* y, floating* mean, floating* invstd, floating* running_mean,
@@ -98,32 +239,36 @@ cdef void _forward(floating* y, floating* mean, floating* invstd, floating* runn
                    const floating* beta, bint training, double momentum, double eps,
                    Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """y, x: (N, C, HW); mean, invstd, running_mean, running_var, gamma, beta: (C,)."""
-    cdef Py_ssize_t m = N * HW
-    cdef Py_ssize_t c
-    cdef double mu, var
-    # Parallel over channels: each channel's statistics and outputs are independent of the
-    # others, and each of its sums stays in one thread (and its values in cache).
-    for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        if training:
-            mu = runs_sum(x + c * HW, N, C * HW, HW) / m
-            var = _channel_squared_deviations(x, mu, c, N, C, HW) / m
-            _channel_batch_statistics(mean, invstd, running_mean, running_var, mu, var, m,
-                                      momentum, eps, c)
-        else:
-            mean[c] = running_mean[c]
-            invstd[c] = <floating> (1 / sqrt(running_var[c] + eps))
-        _channel_normalize(y, x, mean, invstd, gamma, beta, c, N, C, HW)
+    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t b, c0
+    for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        c0 = b * block
+        _forward_block(y, mean, invstd, running_mean, running_var, x, gamma, beta, training,
+                       momentum, eps, c0, min(c0 + block, C), N, C, HW)
 
 
 cdef void _shard_sums(double* sums, double* squares, const floating* x, Py_ssize_t N,
                       Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
-    """sums, squares (C,) = _forward's two passes over a shard, its values in cache between
-    them: the sum and the squared deviations about the shard's own mean."""
-    cdef Py_ssize_t m = N * HW
+    """sums, squares (C,) = _forward's statistics passes over a shard: the sum and the
+    squared deviations about the shard's own mean."""
+    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t b, c0
+    for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        c0 = b * block
+        _block_statistics(sums + c0, squares + c0, x, c0, min(c0 + block, C), N, C, HW)
+
+
+cdef inline void _forward_with_statistics_block(
+        floating* y, floating* mean, floating* invstd, floating* running_mean,
+        floating* running_var, const floating* x, const floating* gamma, const floating* beta,
+        const double* batch_mean, const double* batch_var, double count, double momentum,
+        double eps, Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t N, Py_ssize_t C,
+        Py_ssize_t HW) noexcept nogil:
     cdef Py_ssize_t c
-    for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        sums[c] = runs_sum(x + c * HW, N, C * HW, HW)
-        squares[c] = _channel_squared_deviations(x, sums[c] / m, c, N, C, HW)
+    for c in range(c0, c1):
+        _channel_batch_statistics(mean, invstd, running_mean, running_var, batch_mean[c],
+                                  batch_var[c], count, momentum, eps, c)
+    _block_normalize(y, x, mean, invstd, gamma, beta, c0, c1, N, C, HW)
 
 
 cdef void _forward_with_statistics(floating* y, floating* mean, floating* invstd,
@@ -133,61 +278,26 @@ cdef void _forward_with_statistics(floating* y, floating* mean, floating* invstd
                                    const double* batch_var, double count, double momentum,
                                    double eps, Py_ssize_t N, Py_ssize_t C,
                                    Py_ssize_t HW) noexcept nogil:
-    cdef Py_ssize_t c
-    for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        _channel_batch_statistics(mean, invstd, running_mean, running_var, batch_mean[c],
-                                  batch_var[c], count, momentum, eps, c)
-        _channel_normalize(y, x, mean, invstd, gamma, beta, c, N, C, HW)
+    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t b, c0
+    for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        c0 = b * block
+        _forward_with_statistics_block(y, mean, invstd, running_mean, running_var, x, gamma,
+                                       beta, batch_mean, batch_var, count, momentum, eps, c0,
+                                       min(c0 + block, C), N, C, HW)
 
 
-cdef inline GradientSums _channel_gradient_sums(const floating* dy, const floating* x,
-                                                floating mu_c, Py_ssize_t c, Py_ssize_t N,
-                                                Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
-    cdef GradientSums s
-    cdef double acc_dy[LANES]
-    cdef double acc_dy_xc[LANES]
-    cdef const floating* dyc
-    cdef const floating* xc
-    cdef Py_ssize_t n, i, j, l, whole = HW - HW % LANES
-    for l in range(LANES):
-        acc_dy[l] = 0
-        acc_dy_xc[l] = 0
-    for n in range(N):
-        dyc = dy + (n * C + c) * HW
-        xc = x + (n * C + c) * HW
-        for i in range(whole // LANES):
-            for l in range(LANES):
-                j = i * LANES + l
-                acc_dy[l] = acc_dy[l] + dyc[j]
-                acc_dy_xc[l] = acc_dy_xc[l] + dyc[j] * <double> (xc[j] - mu_c)
-        for l in range(HW - whole):
-            acc_dy[l] = acc_dy[l] + dyc[whole + l]
-            acc_dy_xc[l] = acc_dy_xc[l] + dyc[whole + l] * <double> (xc[whole + l] - mu_c)
-    s.dy = lanes_total(acc_dy)
-    s.dy_xc = lanes_total(acc_dy_xc)
-    return s
-
-
-cdef inline void _channel_input_gradient(floating* dx, const floating* dy, const floating* x,
-                                         floating mu_c, floating scale, GradientSums s,
-                                         floating invstd_c, double m, bint training,
-                                         Py_ssize_t c, Py_ssize_t N, Py_ssize_t C,
-                                         Py_ssize_t HW) noexcept nogil:
-    cdef Py_ssize_t n, i, off
-    cdef floating mean_dy, xc_coef
-    if training:
-        # dx = scale (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))
-        mean_dy = <floating> (s.dy / m)
-        xc_coef = <floating> (s.dy_xc * invstd_c * invstd_c / m)
-        for n in range(N):
-            off = (n * C + c) * HW
-            for i in range(HW):
-                dx[off + i] = (dy[off + i] - mean_dy - (x[off + i] - mu_c) * xc_coef) * scale
-    else:
-        for n in range(N):
-            off = (n * C + c) * HW
-            for i in range(HW):
-                dx[off + i] = dy[off + i] * scale
+cdef inline void _backward_block(floating* dx, floating* dgamma, floating* dbeta,
+                                 const floating* dy, const floating* x, const floating* gamma,
+                                 const floating* mean, const floating* invstd, bint training,
+                                 Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t N, Py_ssize_t C,
+                                 Py_ssize_t HW) noexcept nogil:
+    cdef double sum_dy[MAX_BLOCK]
+    cdef double sum_dy_xc[MAX_BLOCK]
+    _block_gradient_sums(sum_dy, sum_dy_xc, dgamma, dbeta, dy, x, mean, invstd, c0, c1, N, C,
+                         HW)
+    _block_input_gradient(dx, dy, x, gamma, mean, invstd, sum_dy, sum_dy_xc, N * HW, training,
+                          c0, c1, N, C, HW)
 
 
 cdef void _backward(floating* dx, floating* dgamma, floating* dbeta, const floating* dy,
@@ -195,44 +305,36 @@ cdef void _backward(floating* dx, floating* dgamma, floating* dbeta, const float
                     const floating* invstd, bint training,
                     Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """dx, dy, x: (N, C, HW); dgamma, dbeta, gamma, mean, invstd: (C,)."""
-    cdef Py_ssize_t c
-    cdef GradientSums s
-    # Parallel over channels, as forward: a channel's sums and its dx slice are its own.
-    for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        s = _channel_gradient_sums(dy, x, mean[c], c, N, C, HW)
-        dbeta[c] += <floating> s.dy
-        dgamma[c] += <floating> (s.dy_xc * invstd[c])
-        _channel_input_gradient(dx, dy, x, mean[c], gamma[c] * invstd[c], s, invstd[c],
-                                N * HW, training, c, N, C, HW)
+    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t b, c0
+    for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        c0 = b * block
+        _backward_block(dx, dgamma, dbeta, dy, x, gamma, mean, invstd, training, c0,
+                        min(c0 + block, C), N, C, HW)
 
 
 cdef void _gradient_sums(double* sums, floating* dgamma, floating* dbeta, const floating* dy,
                          const floating* x, const floating* mean, const floating* invstd,
                          Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """sums (2, C): _backward's per-channel sums, which it also adds to dgamma, dbeta."""
-    cdef Py_ssize_t c
-    cdef GradientSums s
-    for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        s = _channel_gradient_sums(dy, x, mean[c], c, N, C, HW)
-        dbeta[c] += <floating> s.dy
-        dgamma[c] += <floating> (s.dy_xc * invstd[c])
-        sums[c] = s.dy
-        sums[C + c] = s.dy_xc
+    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t b, c0
+    for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        c0 = b * block
+        _block_gradient_sums(sums + c0, sums + C + c0, dgamma, dbeta, dy, x, mean, invstd, c0,
+                             min(c0 + block, C), N, C, HW)
 
 
 cdef void _input_gradient(floating* dx, const floating* dy, const floating* x,
                           const floating* gamma, const floating* mean, const floating* invstd,
                           const double* sums, double count, Py_ssize_t N, Py_ssize_t C,
                           Py_ssize_t HW) noexcept nogil:
-    cdef Py_ssize_t c
-    cdef GradientSums s
-    for c in prange(C, schedule="static", num_threads=threads_for(C)):
-        s.dy = sums[c]
-        s.dy_xc = sums[C + c]
-        _channel_input_gradient(dx, dy, x, mean[c], gamma[c] * invstd[c], s, invstd[c], count,
-                                True, c, N, C, HW)
-
-
+    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t b, c0
+    for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
+        c0 = b * block
+        _block_input_gradient(dx, dy, x, gamma, mean, invstd, sums + c0, sums + C + c0, count,
+                              True, c0, min(c0 + block, C), N, C, HW)
 
 
 cdef tuple _check_x(object x, object training, FloatKind* kind):

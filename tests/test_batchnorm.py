@@ -134,7 +134,8 @@ def _random_parity_cases(count, seed=11):
     return cases
 
 
-@pytest.mark.parametrize("case", _random_parity_cases(20))
+# The last: more channels than a block of them takes (64) on small maps.
+@pytest.mark.parametrize("case", _random_parity_cases(20) + [(3, 70, 2, 3, 0.1, 1e-5, 1.0, 1.0)])
 def test_batchnorm_float32_matches_pytorch_over_several_steps(case, rng):
     torch = require_torch()
     N, C, H, W, momentum, eps, offset, spread = case
@@ -169,21 +170,26 @@ def test_batchnorm_float32_matches_pytorch_over_several_steps(case, rng):
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_batchnorm_thread_count_one_vs_two_is_bitwise(rng):
-    x = rng.standard_normal((4, 6, 5, 5)).astype(np.float32)
+# (3, 70, 2, 3): more channels than a block takes (64), blocks of 64 + 6 on one thread and
+# 35 + 35 on two.
+@pytest.mark.parametrize("shape", [(4, 6, 5, 5), (3, 70, 2, 3)])
+def test_batchnorm_thread_count_one_vs_two_is_bitwise(shape, rng):
+    C = shape[1]
+    x = rng.standard_normal(shape).astype(np.float32)
     dy = rng.standard_normal(x.shape).astype(np.float32)
-    gamma = rng.standard_normal(6).astype(np.float32)
-    beta = rng.standard_normal(6).astype(np.float32)
+    gamma = rng.standard_normal(C).astype(np.float32)
+    beta = rng.standard_normal(C).astype(np.float32)
 
     def run(training):
-        stats = _random_stats(np.random.default_rng(3), 6, np.float32)
+        stats = _random_stats(np.random.default_rng(3), C, np.float32)
         y = _forward(x, gamma, beta, stats, training)
         return (y, stats.mean, stats.invstd, stats.running_mean, stats.running_var,
                 *_backward(dy, x, gamma, stats, training))
 
     for training in (True, False):
         one, two = at_thread_counts(lambda: run(training))
-        # Every sum belongs to one channel, which one thread computes in a fixed order.
+        # Every sum belongs to one channel, which one thread computes in a fixed order
+        # whatever the blocks of channels the threads take.
         for a, b in zip(one, two):
             np.testing.assert_array_equal(a, b)
 
@@ -359,12 +365,14 @@ def _split_backward(dys, shards, gamma, mean, invstd, count):
     return dxs, np.sum(dgammas, axis=0), np.sum(dbetas, axis=0)
 
 
+@pytest.mark.parametrize("shape", [(4, 5, 3, 3), (3, 70, 2, 3)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_split_kernels_over_one_shard_are_the_fused_kernels_bitwise(dtype, rng):
-    x = (3 + rng.standard_normal((4, 5, 3, 3))).astype(dtype)
+def test_split_kernels_over_one_shard_are_the_fused_kernels_bitwise(dtype, shape, rng):
+    C = shape[1]
+    x = (3 + rng.standard_normal(shape)).astype(dtype)
     dy = rng.standard_normal(x.shape).astype(dtype)
-    gamma, beta = rng.standard_normal(5).astype(dtype), rng.standard_normal(5).astype(dtype)
-    fused, split = _random_stats(rng, 5, dtype), None
+    gamma, beta = rng.standard_normal(C).astype(dtype), rng.standard_normal(C).astype(dtype)
+    fused, split = _random_stats(rng, C, dtype), None
     split = Stats(fused.running_mean, fused.running_var)
     y = _forward(x, gamma, beta, fused, True)
     (y_split,), mean, invstd, count = _split_forward([x], gamma, beta, split)
