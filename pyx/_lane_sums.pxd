@@ -54,3 +54,38 @@ cdef inline double runs_sum(const floating* a, Py_ssize_t runs, Py_ssize_t strid
     for n in range(runs):
         lanes_add(acc, a + n * stride, length)
     return lanes_total(acc)
+
+
+# Channel sums of an NCHW batch in blocks of channels. A channel alone is N runs of H W
+# values, too short for the hardware prefetchers once H W is small (8x8: 256 bytes a run);
+# a block's part of each image is one run of (block channels) x H W values. Each channel is
+# still added in runs_sum's order for it alone, so blocks never change a result.
+
+cdef enum:
+    BLOCK_VALUES = 1024     # values a block aims to read per image: 4 KiB of float32
+    MAX_BLOCK = 64          # channels a block takes at most: its lane sums live on the stack
+
+
+cdef inline Py_ssize_t channel_block(Py_ssize_t C, Py_ssize_t HW,
+                                     Py_ssize_t threads) noexcept nogil:
+    """Channels per block: about BLOCK_VALUES values an image, but a block for every thread."""
+    cdef Py_ssize_t block = BLOCK_VALUES // HW
+    if block > MAX_BLOCK:
+        block = MAX_BLOCK
+    if block > (C + threads - 1) // threads:
+        block = (C + threads - 1) // threads
+    return block if block > 1 else 1
+
+
+cdef inline void channel_sums(double* sums, const floating* a, Py_ssize_t c0, Py_ssize_t c1,
+                              Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
+    """sums[c - c0] = the sum of channel c of a (N, C, HW) over (N, HW), for the block
+    c0 <= c < c1 (at most MAX_BLOCK channels)."""
+    cdef double acc[MAX_BLOCK * LANES]
+    cdef Py_ssize_t n, c
+    lanes_zero(acc, (c1 - c0) * LANES)
+    for n in range(N):
+        for c in range(c0, c1):
+            lanes_add(acc + (c - c0) * LANES, a + (n * C + c) * HW, HW)
+    for c in range(c1 - c0):
+        sums[c] = lanes_total(acc + c * LANES)

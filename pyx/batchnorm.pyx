@@ -28,34 +28,16 @@ from cython.parallel cimport prange
 from libc.math cimport sqrt
 cimport numpy as cnp
 
-from _lane_sums cimport LANES, lanes_add, lanes_total, lanes_zero
+from _lane_sums cimport (LANES, MAX_BLOCK, channel_block, channel_sums, lanes_add,
+                         lanes_total, lanes_zero)
 from _parallel cimport threads_for
 from _validate cimport check_real, F32, F64, FloatKind, check_disjoint, check_float, check_shape, data, float_kind
 
 cnp.import_array()
 
 
-# -- a block of channels is a thread's unit of work. A channel of an NCHW batch is N runs of
-# H W values, too short for the hardware prefetchers once H W is small (8x8: 256 bytes a
-# run); a block's part of each image is one run of (block channels) x H W values. Each
-# channel's sums still add its values in the channel-alone order, so the block size (and the
-# thread count it follows) never changes a result.
-
-cdef enum:
-    BLOCK_VALUES = 1024     # values a block aims to read per image: 4 KiB of float32
-    MAX_BLOCK = 64          # channels a block takes at most: its lane sums live on the stack
-
-
-cdef inline Py_ssize_t _block_channels(Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
-    """Channels per block: BLOCK_VALUES per image, but every thread gets a block."""
-    cdef Py_ssize_t threads = threads_for(C)
-    cdef Py_ssize_t block = BLOCK_VALUES // HW
-    if block > MAX_BLOCK:
-        block = MAX_BLOCK
-    if block > (C + threads - 1) // threads:
-        block = (C + threads - 1) // threads
-    return block if block > 1 else 1
-
+# -- a block of channels (_lane_sums.channel_block) is a thread's unit of work: each image's
+# part of it one contiguous read, each channel's sums in the order they take alone.
 
 cdef inline void _add_squared_deviations(double* acc, const floating* run, double mu,
                                          Py_ssize_t length) noexcept nogil:
@@ -76,30 +58,23 @@ cdef inline void _add_squared_deviations(double* acc, const floating* run, doubl
         acc[l] = lane[l]
 
 
-cdef inline void _add_gradient_products(double* acc_dy, double* acc_dy_xc, const floating* dy,
-                                        const floating* x, floating mu,
-                                        Py_ssize_t length) noexcept nogil:
-    """acc_dy[i % LANES] += dy[i], acc_dy_xc[i % LANES] += dy[i] (x[i] - mu), i < length
-    (in local copies, as lanes_add)."""
-    cdef double lane_dy[LANES]
-    cdef double lane_dy_xc[LANES]
+cdef inline void _add_products(double* acc, const floating* dy, const floating* x, floating mu,
+                               Py_ssize_t length) noexcept nogil:
+    """acc[i % LANES] += dy[i] (x[i] - mu) for i < length (in a local copy, as lanes_add).
+    Apart from sum(dy), which lanes_add takes: in one loop with it, the compiler leaves these
+    products scalar."""
+    cdef double lane[LANES]
     cdef Py_ssize_t i, j, l, whole = length - length % LANES
     for l in range(LANES):
-        lane_dy[l] = acc_dy[l]
-        lane_dy_xc[l] = acc_dy_xc[l]
+        lane[l] = acc[l]
     for i in range(whole // LANES):
-        # Two loops: as one, the compiler leaves the products scalar.
-        for l in range(LANES):
-            lane_dy[l] = lane_dy[l] + dy[i * LANES + l]
         for l in range(LANES):
             j = i * LANES + l
-            lane_dy_xc[l] = lane_dy_xc[l] + dy[j] * <double> (x[j] - mu)
+            lane[l] = lane[l] + dy[j] * <double> (x[j] - mu)
     for l in range(length - whole):
-        lane_dy[l] = lane_dy[l] + dy[whole + l]
-        lane_dy_xc[l] = lane_dy_xc[l] + dy[whole + l] * <double> (x[whole + l] - mu)
+        lane[l] = lane[l] + dy[whole + l] * <double> (x[whole + l] - mu)
     for l in range(LANES):
-        acc_dy[l] = lane_dy[l]
-        acc_dy_xc[l] = lane_dy_xc[l]
+        acc[l] = lane[l]
 
 
 # -- the stages of a training step over the channels [c0, c1), paired forward and backward.
@@ -113,12 +88,7 @@ cdef inline void _block_statistics(double* sums, double* squares, const floating
     cdef double acc[MAX_BLOCK * LANES]
     cdef Py_ssize_t n, c, k = c1 - c0
     cdef Py_ssize_t m = N * HW
-    lanes_zero(acc, k * LANES)
-    for n in range(N):
-        for c in range(c0, c1):
-            lanes_add(acc + (c - c0) * LANES, x + (n * C + c) * HW, HW)
-    for c in range(k):
-        sums[c] = lanes_total(acc + c * LANES)
+    channel_sums(sums, x, c0, c1, N, C, HW)
     lanes_zero(acc, k * LANES)
     for n in range(N):
         for c in range(c0, c1):
@@ -175,8 +145,8 @@ cdef inline void _block_gradient_sums(double* sum_dy, double* sum_dy_xc, floatin
     for n in range(N):
         for c in range(c0, c1):
             off = (n * C + c) * HW
-            _add_gradient_products(acc_dy + (c - c0) * LANES, acc_dy_xc + (c - c0) * LANES,
-                                   dy + off, x + off, mean[c], HW)
+            lanes_add(acc_dy + (c - c0) * LANES, dy + off, HW)
+            _add_products(acc_dy_xc + (c - c0) * LANES, dy + off, x + off, mean[c], HW)
     for c in range(c0, c1):
         sum_dy[c - c0] = lanes_total(acc_dy + (c - c0) * LANES)
         sum_dy_xc[c - c0] = lanes_total(acc_dy_xc + (c - c0) * LANES)
@@ -239,7 +209,8 @@ cdef void _forward(floating* y, floating* mean, floating* invstd, floating* runn
                    const floating* beta, bint training, double momentum, double eps,
                    Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """y, x: (N, C, HW); mean, invstd, running_mean, running_var, gamma, beta: (C,)."""
-    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t block = channel_block(C, HW, threads_for(C))
+    cdef Py_ssize_t blocks = (C + block - 1) // block
     cdef Py_ssize_t b, c0
     for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         c0 = b * block
@@ -251,7 +222,8 @@ cdef void _shard_sums(double* sums, double* squares, const floating* x, Py_ssize
                       Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """sums, squares (C,) = _forward's statistics passes over a shard: the sum and the
     squared deviations about the shard's own mean."""
-    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t block = channel_block(C, HW, threads_for(C))
+    cdef Py_ssize_t blocks = (C + block - 1) // block
     cdef Py_ssize_t b, c0
     for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         c0 = b * block
@@ -278,7 +250,8 @@ cdef void _forward_with_statistics(floating* y, floating* mean, floating* invstd
                                    const double* batch_var, double count, double momentum,
                                    double eps, Py_ssize_t N, Py_ssize_t C,
                                    Py_ssize_t HW) noexcept nogil:
-    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t block = channel_block(C, HW, threads_for(C))
+    cdef Py_ssize_t blocks = (C + block - 1) // block
     cdef Py_ssize_t b, c0
     for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         c0 = b * block
@@ -305,7 +278,8 @@ cdef void _backward(floating* dx, floating* dgamma, floating* dbeta, const float
                     const floating* invstd, bint training,
                     Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """dx, dy, x: (N, C, HW); dgamma, dbeta, gamma, mean, invstd: (C,)."""
-    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t block = channel_block(C, HW, threads_for(C))
+    cdef Py_ssize_t blocks = (C + block - 1) // block
     cdef Py_ssize_t b, c0
     for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         c0 = b * block
@@ -317,7 +291,8 @@ cdef void _gradient_sums(double* sums, floating* dgamma, floating* dbeta, const 
                          const floating* x, const floating* mean, const floating* invstd,
                          Py_ssize_t N, Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """sums (2, C): _backward's per-channel sums, which it also adds to dgamma, dbeta."""
-    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t block = channel_block(C, HW, threads_for(C))
+    cdef Py_ssize_t blocks = (C + block - 1) // block
     cdef Py_ssize_t b, c0
     for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         c0 = b * block
@@ -329,7 +304,8 @@ cdef void _input_gradient(floating* dx, const floating* dy, const floating* x,
                           const floating* gamma, const floating* mean, const floating* invstd,
                           const double* sums, double count, Py_ssize_t N, Py_ssize_t C,
                           Py_ssize_t HW) noexcept nogil:
-    cdef Py_ssize_t block = _block_channels(C, HW), blocks = (C + block - 1) // block
+    cdef Py_ssize_t block = channel_block(C, HW, threads_for(C))
+    cdef Py_ssize_t blocks = (C + block - 1) // block
     cdef Py_ssize_t b, c0
     for b in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         c0 = b * block

@@ -27,7 +27,6 @@ from libc.string cimport memcpy
 cimport numpy as cnp
 
 from _blas cimport gemm
-from _lane_sums cimport runs_sum
 from _panels cimport (PANEL_VECTOR_BYTES, PANEL_VECTORS, Weights, pack_panel, panel_count,
                       panel_gemm_d, panel_gemm_f, panel_size, weights_operand)
 from _parallel cimport threads_for
@@ -157,16 +156,31 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
 cdef void _bias_gradient(floating* db, const floating* dy, Py_ssize_t N, Py_ssize_t Out,
                          bint accumulate) noexcept nogil:
     """db (Out,) (+)= the column sums of dy (N, Out), each in double in a fixed order."""
-    cdef Py_ssize_t blocks, blk, o0, o1, o
+    cdef Py_ssize_t blocks, blk, o0
     blocks = (Out + DB_BLOCK - 1) // DB_BLOCK
     for blk in prange(blocks, schedule="static", num_threads=threads_for(blocks)):
         o0 = blk * DB_BLOCK
-        o1 = o0 + DB_BLOCK if o0 + DB_BLOCK <= Out else Out
-        for o in range(o0, o1):
-            if accumulate:
-                db[o] += <floating> runs_sum(dy + o, N, Out, 1)
-            else:       # never keep * db[o]: a stale NaN there would survive the 0
-                db[o] = <floating> runs_sum(dy + o, N, Out, 1)
+        _bias_gradient_block(db, dy, N, Out, o0, o0 + DB_BLOCK if o0 + DB_BLOCK <= Out else Out,
+                             accumulate)
+
+
+cdef inline void _bias_gradient_block(floating* db, const floating* dy, Py_ssize_t N,
+                                      Py_ssize_t Out, Py_ssize_t o0, Py_ssize_t o1,
+                                      bint accumulate) noexcept nogil:
+    """The outputs o0 <= o < o1: one double sum each over the rows in order, the block's
+    sums side by side so that each row adds as one vector."""
+    cdef double sums[DB_BLOCK]
+    cdef Py_ssize_t n, o
+    for o in range(o1 - o0):
+        sums[o] = 0
+    for n in range(N):
+        for o in range(o1 - o0):
+            sums[o] = sums[o] + dy[n * Out + o0 + o]
+    for o in range(o0, o1):
+        if accumulate:
+            db[o] += <floating> sums[o - o0]
+        else:       # never keep * db[o]: a stale NaN there would survive the 0
+            db[o] = <floating> sums[o - o0]
 
 
 cdef void _check_cut(str name, object cut, int* axis, Py_ssize_t* width,

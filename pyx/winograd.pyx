@@ -36,7 +36,7 @@ from _panels cimport (BF16_BLOCK_PAIRS, BF16_PANEL_ROWS, PANEL_ROWS, Weights, bf
                       bf16_panel_offset, bf16_panel_size, bf16_panel_zero_padding,
                       panel_offset, panel_size, panel_zero_padding_d, panel_zero_padding_f,
                       times_weights, weights_operand)
-from _lane_sums cimport runs_sum
+from _lane_sums cimport MAX_BLOCK, channel_block, channel_sums
 from _parallel cimport threads_for
 from _validate cimport F32, check_blas_dim
 
@@ -526,7 +526,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t slot = 16 * g.Co * g.C
     cdef floating* u = work
     cdef floating* partials = work + s.u_size
-    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, co
+    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, co, b, block
     cdef floating* v = NULL
     cdef floating* dm = NULL
     cdef floating* du = NULL
@@ -592,9 +592,22 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
             wino_weight_grads_d(dw + co * g.C * 9, partials + co * g.C, slot, g.Co * g.C,
                                 threads, g.C)
     if db != NULL:
-        for co in prange(g.Co, schedule="static", num_threads=threads, nogil=True):
-            db[co] += <floating> runs_sum(dy + co * g.Ho * g.Wo, g.N, g.Co * g.Ho * g.Wo,
-                                          g.Ho * g.Wo)
+        block = channel_block(g.Co, g.Ho * g.Wo, threads)
+        for b in prange((g.Co + block - 1) // block, schedule="static", num_threads=threads,
+                        nogil=True):
+            _add_bias_gradient(db, dy, b * block, min(b * block + block, g.Co), g.N, g.Co,
+                               g.Ho * g.Wo)
+
+
+cdef inline void _add_bias_gradient(floating* db, const floating* dy, Py_ssize_t c0,
+                                    Py_ssize_t c1, Py_ssize_t N, Py_ssize_t C,
+                                    Py_ssize_t HW) noexcept nogil:
+    """db[c] += the sum of dy's channel c, for the block c0 <= c < c1."""
+    cdef double sums[MAX_BLOCK]
+    cdef Py_ssize_t c
+    channel_sums(sums, dy, c0, c1, N, C, HW)
+    for c in range(c0, c1):
+        db[c] += <floating> sums[c - c0]
 
 
 cdef bint _supports(const ConvGeometry* g) noexcept:
