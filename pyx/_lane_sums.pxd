@@ -1,4 +1,4 @@
-# Long sums in lanes: BatchNorm's statistics and every layer's bias gradient.
+# Long sums in lanes: BatchNorm's statistics and the convolutions' bias gradients.
 #
 # One running sum waits on its last add and keeps the core at a fraction of its add rate
 # (and a float32 one loses digits over a batch of activations). These run LANES independent
@@ -22,6 +22,7 @@ cdef inline double lanes_total(double* acc) noexcept nogil:
 
 
 cdef inline void lanes_zero(double* acc, Py_ssize_t count) noexcept nogil:
+    """acc[:count] = 0 (count doubles: LANES per sum)."""
     cdef Py_ssize_t l
     for l in range(count):
         acc[l] = 0
@@ -68,7 +69,8 @@ cdef enum:
 
 cdef inline Py_ssize_t channel_block(Py_ssize_t C, Py_ssize_t HW,
                                      Py_ssize_t threads) noexcept nogil:
-    """Channels per block: about BLOCK_VALUES values an image, but a block for every thread."""
+    """Channels per block: about BLOCK_VALUES values an image, but no block larger than a
+    thread's share of the channels."""
     cdef Py_ssize_t block = BLOCK_VALUES // HW
     if block > MAX_BLOCK:
         block = MAX_BLOCK

@@ -135,8 +135,9 @@ cdef inline void _block_gradient_sums(double* sum_dy, double* sum_dy_xc, floatin
                                       const floating* mean, const floating* invstd,
                                       Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t N,
                                       Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
-    """sum_dy, sum_dy_xc = each channel's sum(dy) and sum(dy (x - mean)), times invstd
-    sum(dy xhat); dbeta, dgamma (indexed by channel) += the parameter gradients they give."""
+    """sum_dy, sum_dy_xc = each channel's sum(dy) and sum(dy (x - mean)) (the latter times
+    invstd is sum(dy xhat)); dbeta, dgamma (indexed by channel) += the parameter gradients
+    they give."""
     cdef double acc_dy[MAX_BLOCK * LANES]
     cdef double acc_dy_xc[MAX_BLOCK * LANES]
     cdef Py_ssize_t n, c, off, k = c1 - c0
@@ -161,23 +162,29 @@ cdef inline void _block_input_gradient(floating* dx, const floating* dy, const f
                                        Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t N,
                                        Py_ssize_t C, Py_ssize_t HW) noexcept nogil:
     """dx from the channels' sums over the m values they were taken over."""
-    cdef floating mu_c, invstd_c, scale, mean_dy, xc_coef
-    cdef Py_ssize_t n, c, i, off
+    cdef floating scale[MAX_BLOCK]
+    cdef floating mean_dy[MAX_BLOCK]
+    cdef floating xc_coef[MAX_BLOCK]
+    cdef floating mu_c
+    cdef Py_ssize_t n, c, i, k, off
+    for c in range(c0, c1):
+        k = c - c0
+        scale[k] = gamma[c] * invstd[c]
+        # training: dx = scale (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))
+        mean_dy[k] = <floating> (sum_dy[k] / m)
+        xc_coef[k] = <floating> (sum_dy_xc[k] * invstd[c] * invstd[c] / m)
     for n in range(N):
         for c in range(c0, c1):
+            k = c - c0
             off = (n * C + c) * HW
-            mu_c = mean[c]
-            invstd_c = invstd[c]
-            scale = gamma[c] * invstd_c
             if training:
-                # dx = scale (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))
-                mean_dy = <floating> (sum_dy[c - c0] / m)
-                xc_coef = <floating> (sum_dy_xc[c - c0] * invstd_c * invstd_c / m)
+                mu_c = mean[c]
                 for i in range(HW):
-                    dx[off + i] = (dy[off + i] - mean_dy - (x[off + i] - mu_c) * xc_coef) * scale
+                    dx[off + i] = (dy[off + i] - mean_dy[k] - (x[off + i] - mu_c) * xc_coef[k]) \
+                        * scale[k]
             else:
                 for i in range(HW):
-                    dx[off + i] = dy[off + i] * scale
+                    dx[off + i] = dy[off + i] * scale[k]
 
 
 # -- the kernels: prange over blocks.

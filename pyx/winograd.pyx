@@ -19,7 +19,8 @@ Parallelism is im2col's: `prange` over groups of images, one BLAS thread per Ope
 thread-private tile buffers. Each thread sums its weight gradient in the transformed domain
 (16 C_out C_in floats); the partial sums are added in fixed thread order, transformed back
 and added to dw in parallel over output channels, so a run is deterministic for a given
-thread count. The bias gradient is a separate parallel sum over output channels.
+thread count. The bias gradient is a separate parallel sum over blocks of output channels,
+each channel's in an order fixed by the shape.
 
 Entry points: `forward`, `backward`, `supports` (conv.Algorithm); 3x3 kernels at stride 1,
 any padding and image size.

@@ -80,15 +80,19 @@ def test_winograd_without_bias_or_input_gradient(rng):
     np.testing.assert_allclose(dw, dw2, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", [(3, 16, 32, 32, 8, 1), (64, 32, 2, 2, 16, 1)])
+# The last: 70 output channels on 4x4 maps, bias sums in blocks of 64 + 6 channels on one
+# thread and 35 + 35 on two.
+@pytest.mark.parametrize("case", [(3, 16, 32, 32, 8, 1), (64, 32, 2, 2, 16, 1),
+                                  (5, 8, 4, 4, 70, 1)])
 def test_winograd_thread_count_one_vs_two(case, rng):
     args = _inputs(rng, case, np.float32)
     one, two = at_thread_counts(lambda: _winograd(*args))
     # Forward and input gradient are bitwise thread-independent where a chunk is one image
-    # at any thread count (>= 256 tiles per image); weight and bias gradients sum per-thread
-    # partials.
+    # at any thread count (>= 256 tiles per image); the weight gradient sums per-thread
+    # partials; each bias gradient is one channel's sum in an order fixed by the shape.
     for name, a, b in zip(("y", "dx", "dw", "db"), one, two):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name)
+    np.testing.assert_array_equal(one[3], two[3])
     if case[2] * case[3] >= 4 * 256:
         np.testing.assert_array_equal(one[0], two[0])
         np.testing.assert_array_equal(one[1], two[1])
