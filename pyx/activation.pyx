@@ -14,7 +14,7 @@ import numbers
 
 from cython cimport floating
 from cython.parallel cimport prange
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint16_t, uint64_t
 cimport numpy as cnp
 
 from _parallel cimport threads_for
@@ -22,6 +22,10 @@ from _validate cimport F32, FloatKind, as_int, check_array, check_disjoint, chec
     data, float_kind, float_typenum
 
 cnp.import_array()
+
+cdef extern from "bf16.h" nogil:
+    uint16_t dynar_bf16_from_float(float value)
+    float dynar_bf16_to_float(uint16_t half)
 
 # At or below this many elements one thread does the whole loop: opening a parallel region
 # costs a few microseconds, about what one core needs to stream this many floats.
@@ -33,21 +37,25 @@ DEF CHUNK = 8192
 
 cdef enum Op:
     RELU            # out = a < 0 ? 0 : a
+    RELU_BF16       # RELU, and halves = bf16 of out
     RELU_BACKWARD   # out = b <= 0 ? 0 : a         (a = dy, b = y)
+    RELU_BACKWARD_BF16  # out = y <= 0 ? 0 : a     (a = dy, y = the value of halves)
     DROPOUT         # mask = keep(seed, i); out = a * mask * scale
     APPLY_MASK      # out = a * mask * scale       (dropout backward)
     ADD             # out = a + b
 
 
-cdef struct Mask:
+cdef struct Side:
+    # What an op reads or writes besides out, a and b.
     unsigned char* keep   # (n,) 1 keep / 0 drop; written by DROPOUT, read by APPLY_MASK
+    uint16_t* halves      # (n,) bf16 bits of a ReLU's output: RELU_BF16 writes, its backward reads
     uint64_t key          # splitmix64(seed)
     uint64_t threshold    # keep element i iff its 53-bit hash >= threshold = p * 2^53
     double scale          # 1 / (1 - p)
 
 
-# For the ops that use no mask (zero-initialized, as every module-level C variable).
-cdef Mask _NO_MASK
+# For the ops that use neither (zero-initialized, as every module-level C variable).
+cdef Side _NO_SIDE
 
 
 cdef inline uint64_t _splitmix64(uint64_t z) noexcept nogil:
@@ -56,7 +64,7 @@ cdef inline uint64_t _splitmix64(uint64_t z) noexcept nogil:
     return z ^ (z >> 31)
 
 
-cdef void _span(Op op, floating* out, const floating* a, const floating* b, Mask m,
+cdef void _span(Op op, floating* out, const floating* a, const floating* b, Side m,
                 Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
     """out, a, b, m.keep: (n,); elements [lo, hi) of op. One plain loop per op, the branch
     outside it, so gcc vectorizes each."""
@@ -69,9 +77,18 @@ cdef void _span(Op op, floating* out, const floating* a, const floating* b, Mask
         for i in range(lo, hi):
             v = a[i]
             out[i] = 0 if v < 0 else v   # NaN and -0.0 pass through, as torch.relu
+    elif op == RELU_BF16:
+        for i in range(lo, hi):
+            v = a[i]
+            v = 0 if v < 0 else v
+            out[i] = v
+            m.halves[i] = dynar_bf16_from_float(<float> v)
     elif op == RELU_BACKWARD:
         for i in range(lo, hi):
             out[i] = 0 if b[i] <= 0 else a[i]   # y NaN passes dy, as PyTorch
+    elif op == RELU_BACKWARD_BF16:
+        for i in range(lo, hi):
+            out[i] = 0 if dynar_bf16_to_float(m.halves[i]) <= 0 else a[i]
     elif op == DROPOUT or op == APPLY_MASK:
         if op == DROPOUT:
             # The key is mixed from the seed, so nearby seeds give unrelated masks rather
@@ -86,7 +103,7 @@ cdef void _span(Op op, floating* out, const floating* a, const floating* b, Mask
             out[i] = a[i] + b[i]
 
 
-cdef void _elementwise(Op op, floating* out, const floating* a, const floating* b, Mask m,
+cdef void _elementwise(Op op, floating* out, const floating* a, const floating* b, Side m,
                        Py_ssize_t n, int threads) noexcept nogil:
     cdef Py_ssize_t c, end
     if n <= PARALLEL_MIN:
@@ -99,7 +116,7 @@ cdef void _elementwise(Op op, floating* out, const floating* a, const floating* 
         _span(op, out, a, b, m, c * CHUNK, end if end < n else n)
 
 
-cdef object _run(FloatKind kind, Op op, object out, object a, object b, Mask m):
+cdef object _run(FloatKind kind, Op op, object out, object a, object b, Side m):
     """Runs op over validated arrays out, a, b (b may be None) of one shape."""
     cdef void* outp = data(out)
     cdef void* ap = data(a)
@@ -141,28 +158,55 @@ cdef object _check_alias(str out_name, cnp.ndarray out, str in_name, cnp.ndarray
     check_disjoint(out_name, out, in_name, inp)
 
 
-def relu_forward(y, x):
-    """y = max(x, 0) elementwise; x, y: same shape. y may be x itself (in place)."""
+def relu_forward(y, x, y_bf16=None):
+    """y = max(x, 0) elementwise; x, y: same shape. y may be x itself (in place).
+    y_bf16 (uint16, same shape, float32 x only): also receives y rounded to bf16 (bits, as
+    kernels.bf16.to_bf16), in the same pass."""
     cdef FloatKind kind
     xa = _check_first("x", x, &kind)
     ya = _check_like("y", y, xa, float_typenum(kind), output=True)
     _check_alias("y", ya, "x", xa)
-    _run(kind, RELU, ya, xa, None, _NO_MASK)
+    if y_bf16 is None:
+        _run(kind, RELU, ya, xa, None, _NO_SIDE)
+        return
+    ha = _bf16_bits("y_bf16", y_bf16, xa, kind, output=True)
+    check_disjoint("y_bf16", ha, "x", xa)
+    check_disjoint("y_bf16", ha, "y", ya)
+    cdef Side side = _NO_SIDE
+    side.halves = <uint16_t*> data(ha)
+    _run(kind, RELU_BF16, ya, xa, None, side)
 
 
 def relu_backward(dx, dy, y):
     """dx = dy where y > 0 else 0, y the output of relu_forward (where y is NaN, dx = dy,
-    as PyTorch); dx, dy, y: same shape. dx may be dy itself (in place)."""
+    as PyTorch); dx, dy, y: same shape. dx may be dy itself (in place). y may also be the
+    bf16 bits (uint16) relu_forward wrote to y_bf16, for float32 dy: the mask is then that
+    of y rounded to bf16, which differs only where y is subnormal (bf16 rounds it to 0)."""
     cdef FloatKind kind
     dya = _check_first("dy", dy, &kind)
-    ya = _check_like("y", y, dya, float_typenum(kind))
     dxa = _check_like("dx", dx, dya, float_typenum(kind), output=True)
     _check_alias("dx", dxa, "dy", dya)
+    cdef Side side = _NO_SIDE
+    if isinstance(y, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray> y) == cnp.NPY_UINT16:
+        ha = _bf16_bits("y", y, dya, kind)
+        check_disjoint("dx", dxa, "y", ha)
+        side.halves = <uint16_t*> data(ha)
+        _run(kind, RELU_BACKWARD_BF16, dxa, dya, None, side)
+        return
+    ya = _check_like("y", y, dya, float_typenum(kind))
     _check_alias("dx", dxa, "y", ya)
-    _run(kind, RELU_BACKWARD, dxa, dya, ya, _NO_MASK)
+    _run(kind, RELU_BACKWARD, dxa, dya, ya, _NO_SIDE)
 
 
-cdef Mask _mask(object keep, object p, uint64_t seed) except *:
+cdef cnp.ndarray _bf16_bits(str name, object arr, cnp.ndarray ref, FloatKind kind,
+                            bint output=False):
+    """`arr`: bf16 bits (uint16) of ref's shape, beside float32 data."""
+    if kind != F32:
+        raise TypeError(f"{name}: bf16 goes with float32 data, got {(<object> ref).dtype}")
+    return _check_like(name, arr, ref, cnp.NPY_UINT16, output)
+
+
+cdef Side _mask(object keep, object p, uint64_t seed) except *:
     """The dropout mask parameters for keep probability 1 - p, p a real number in [0, 1)."""
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"p: expected a real number, got {type(p).__name__}")
@@ -173,7 +217,7 @@ cdef Mask _mask(object keep, object p, uint64_t seed) except *:
         pf = float("inf")
     if not 0 <= pf < 1:
         raise ValueError(f"p: must be in [0, 1), got {p!r}")
-    cdef Mask m
+    cdef Side m
     m.keep = <unsigned char*> data(keep)
     m.key = _splitmix64(seed)
     # p < 1, so p * 2^53 rounds to at most 2^53 - 1: at least one hash value keeps.
@@ -223,4 +267,4 @@ def add(y, a, b):
     ya = _check_like("y", y, aa, float_typenum(kind), output=True)
     _check_alias("y", ya, "a", aa)
     _check_alias("y", ya, "b", ba)
-    _run(kind, ADD, ya, aa, ba, _NO_MASK)
+    _run(kind, ADD, ya, aa, ba, _NO_SIDE)

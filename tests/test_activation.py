@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dynar.kernels import activation as act
+from dynar.kernels import activation as act, bf16
 from gradcheck import assert_gradient
 from support import assert_zero_sizes_rejected, at_thread_counts, require_torch
 from support.bad_inputs import as_int, as_real, float_dtype, is_array, run_spoiled, spoiled_calls
@@ -124,6 +124,46 @@ def test_dropout_keeps_about_one_minus_p(p):
     mask = _dropout(np.ones(n, np.float32), p, 7)[1]
     # Binomial(n, 1-p) mean: within 6 standard deviations (sqrt(p(1-p)/n) <= 0.0008).
     assert abs(mask.mean() - (1 - p)) < 6 * np.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 7, 41, 53)])
+def test_relu_keeps_a_bf16_copy_of_its_output_and_masks_by_it(shape, rng):
+    # bf16 training keeps this copy instead of the output (nn/activation.py).
+    x = rng.standard_normal(shape).astype(np.float32)
+    x.flat[:5] = [np.nan, -0.0, 1e-40, -np.inf, np.inf]    # 1e-40: subnormal, 0 in bf16
+    dy = rng.standard_normal(shape).astype(np.float32)
+    y, _ = _relu(x)
+    got, bits = np.empty_like(x), np.empty(shape, np.uint16)
+    act.relu_forward(got, x, bits)
+    np.testing.assert_array_equal(got.view(np.uint32), y.view(np.uint32))
+    want = np.empty_like(bits)
+    bf16.to_bf16(want, y)
+    np.testing.assert_array_equal(bits, want)
+    widened = np.empty_like(y)
+    bf16.to_float32(widened, bits)
+    dx, want_dx = np.empty_like(dy), np.empty_like(dy)
+    act.relu_backward(dx, dy, bits)
+    act.relu_backward(want_dx, dy, widened)
+    np.testing.assert_array_equal(dx, want_dx)
+    assert dx.flat[0] == dy.flat[0] and dx.flat[2] == 0 and dx.flat[4] == dy.flat[4]
+    inplace = dy.copy()
+    act.relu_backward(inplace, inplace, bits)
+    np.testing.assert_array_equal(inplace, dx)
+
+
+def test_relu_bf16_copy_is_refused_where_it_does_not_fit(rng):
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    y, bits = np.empty_like(x), np.empty((4, 5), np.uint16)
+    with pytest.raises(TypeError, match="y_bf16: bf16 goes with float32 data"):
+        act.relu_forward(y.astype(np.float64), x.astype(np.float64), bits)
+    with pytest.raises(ValueError, match="y_bf16"):
+        act.relu_forward(y, x, np.empty((4, 6), np.uint16))
+    with pytest.raises(TypeError, match="y_bf16"):
+        act.relu_forward(y, x, np.empty((4, 5), np.int16))
+    with pytest.raises(ValueError, match="y_bf16"):
+        act.relu_forward(y, x, y.view(np.uint16)[:, :5])     # inside y
+    with pytest.raises(TypeError, match="y: bf16 goes with float32 data"):
+        act.relu_backward(np.empty((4, 5)), np.zeros((4, 5)), bits)
 
 
 @pytest.mark.parametrize("shape", [(5, 6), (100_003,)])
