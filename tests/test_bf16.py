@@ -507,40 +507,124 @@ def test_bf16_linear_computes_on_rounded_operands_in_float32(kernel, rng, monkey
                 + layer.bias.data) > 1e-4
 
 
-def test_set_precision_reaches_every_gemm_layer_and_nothing_else():
+def test_set_precision_reaches_every_gemm_layer_and_relu_and_nothing_else():
     model = precision.set_precision(models.get("resnet18", variant="cifar"), "bf16")
-    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-    assert len(layers) == 21 and all(m.precision == "bf16" for m in layers)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear, nn.ReLU))]
+    assert len(layers) == 21 + 17 and all(m.precision == "bf16" for m in layers)
     assert not any(hasattr(m, "precision") for m in model.modules()
-                   if not isinstance(m, precision.Bf16Operands))
+                   if not isinstance(m, (precision.Bf16Operands, nn.ReLU)))
     with pytest.raises(ValueError, match="precision: expected one of"):
         precision.set_precision(model, "half")
 
 
+def _bf16_twins(name, arenas, rng, algorithm="auto", relu_copies=True, steps=3,
+                in_precision="bf16"):
+    """Models `name` (CIFAR) in `in_precision`, one on each of `arenas` (None: its own
+    buffers), trained alike for `steps` SGD steps, each convolution on `algorithm` where
+    that runs it; with the ReLUs that kept a bf16 copy of their output in the last
+    forward, per model."""
+    from dynar import optim
+
+    twins = []
+    for arena in arenas:
+        model = precision.set_precision(
+            models.get(name, variant="cifar", num_classes=10, seed=3), in_precision)
+        for layer in model.modules():
+            if isinstance(layer, nn.Conv2d) and algorithm != "auto" and \
+                    conv_algorithms.ALGORITHMS[algorithm].supports(
+                        layer.weight.shape, layer.stride, layer.padding):
+                layer.algorithm = algorithm
+            if isinstance(layer, nn.ReLU) and not relu_copies:
+                layer.precision = "fp32"
+        model.step_arena = arena
+        twins.append((model, optim.SGD(model, lr=0.05, momentum=0.9), nn.CrossEntropyLoss()))
+    copied = [[] for _ in twins]
+    for step in range(steps):
+        x = rng.standard_normal((4, 3, 32, 32), dtype=np.float32)
+        y = rng.integers(0, 10, 4)
+        for (model, opt, crit), kept in zip(twins, copied):
+            model.zero_grad()
+            crit.forward(model.forward(x), y)
+            kept[:] = [m for m in model.modules() if isinstance(m, nn.ReLU)
+                       and m._y16 is not None]
+            model.backward(crit.backward())
+            opt.step()
+    return [model for model, _, _ in twins], copied
+
+
 @pytest.mark.parametrize("name", ["vgg11_bn", "resnet18"])
 def test_bf16_model_on_the_step_arena_trains_as_with_its_own_buffers(name, rng):
-    # The rounded operands are scratch taken from and given back to the arena; poisoned, a
-    # scratch array read after it went back holds NaN.
-    from dynar import optim
+    # The rounded operands are scratch taken from and given back to the arena, and on it
+    # every ReLU keeps a bf16 copy of its output, whose float32 memory goes back once the
+    # next layer's forward is done; poisoned, an array read after it went back holds NaN.
+    # im2col rounds the input it reads, so a convolution backward from the widened copy
+    # computes the same bytes (Winograd: the next test).
+    from dynar.nn.arena import StepArena
+    (arena, own), copied = _bf16_twins(name, [StepArena(min_bytes=0, poison=True), None],
+                                       rng, algorithm="gemm")
+    relus = [m for m in arena.modules() if isinstance(m, nn.ReLU)]
+    assert copied[0] == relus and copied[1] == []
+    assert np.all(np.isfinite(arena.flat_params))
+    np.testing.assert_array_equal(arena.flat_params, own.flat_params)
+
+
+@pytest.mark.parametrize("name", ["vgg11_bn", "resnet18"])
+def test_bf16_relu_copies_halve_what_a_step_keeps_of_those_outputs(name, rng):
+    # On Winograd where it runs (3x3, stride 1), whose backward transforms the
+    # widened copy, an input rounded once more than forward's (which transforms, then
+    # rounds), so training departs from the run without copies by a bf16 rounding: held
+    # to less than bf16's own distance from float32 over the same steps.
+    from dynar.nn.arena import StepArena
+    arenas = [StepArena(min_bytes=0, poison=True), StepArena(min_bytes=0)]
+    (poisoned, copies), _ = _bf16_twins(name, arenas, np.random.default_rng(5),
+                                        algorithm="winograd")
+    without = StepArena(min_bytes=0)
+    (plain,), copied = _bf16_twins(name, [without], np.random.default_rng(5),
+                                   algorithm="winograd", relu_copies=False)
+    (fp32,), _ = _bf16_twins(name, [StepArena(min_bytes=0)], np.random.default_rng(5),
+                             algorithm="winograd", in_precision="fp32")
+    assert copied == [[]]
+    np.testing.assert_array_equal(poisoned.flat_params, copies.flat_params)
+    assert 0 < _rel_norm(copies.flat_params, plain.flat_params) \
+        < _rel_norm(plain.flat_params, fp32.flat_params)
+    assert arenas[1].nbytes < 0.9 * without.nbytes
+
+
+def test_a_relu_keeps_a_bf16_copy_only_where_the_next_layer_can_do_with_one(rng):
     from dynar.nn.arena import StepArena
 
     def build(arena):
-        model = models.get(name, variant="cifar", num_classes=10, seed=3)
-        precision.set_precision(model, "bf16")
-        model.step_arena = arena
-        return model, optim.SGD(model, lr=0.05, momentum=0.9), nn.CrossEntropyLoss()
+        g = np.random.default_rng(0)
+        net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, generator=g), nn.ReLU(inplace=True),  # 1: conv next
+            nn.Conv2d(8, 8, 3, padding=1, generator=g), nn.ReLU(inplace=True),  # 3: pool next
+            nn.MaxPool2d(2), nn.ReLU(),                      # 5: in-place dropout next: no
+            nn.Dropout(0.5, inplace=True, generator=g), nn.ReLU(),   # 7: dropout next
+            nn.Dropout(0.5, generator=g), nn.ReLU(inplace=True),     # 9: flatten next: no
+            nn.Flatten(), nn.Linear(128, 10, generator=g))
+        for layer in net.modules():
+            if isinstance(layer, nn.Conv2d):
+                layer.algorithm = "gemm"
+        precision.set_precision(net, "bf16")
+        return net.use_arena(arena)
 
-    twins = [build(StepArena(min_bytes=0, poison=True)), build(None)]
-    for step in range(3):
-        x = rng.standard_normal((4, 3, 32, 32), dtype=np.float32)
-        y = rng.integers(0, 10, 4)
-        for model, opt, crit in twins:
-            model.zero_grad()
-            crit.forward(model.forward(x), y)
-            model.backward(crit.backward())
-            opt.step()
-    assert np.all(np.isfinite(twins[0][0].flat_params))
-    np.testing.assert_array_equal(twins[0][0].flat_params, twins[1][0].flat_params)
+    arena = StepArena(min_bytes=0, poison=True)
+    twins = [build(arena), build(None)]
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    dy = rng.standard_normal((2, 10), dtype=np.float32)
+    results = []
+    for net in twins:
+        if net._arena is not None:
+            arena.begin("train")
+        y = net.forward(x).copy()
+        copied = [i for i, m in enumerate(net) if isinstance(m, nn.ReLU) and m._y16 is not None]
+        results.append((y, net.backward(dy).copy(), copied))
+    assert results[0][2] == [1, 3, 7] and results[1][2] == []
+    for got, want in zip(results[0][:2], results[1][:2]):
+        np.testing.assert_array_equal(got, want)
+    arena.begin("eval")
+    twins[0].eval().forward(x)
+    assert not any(isinstance(m, nn.ReLU) and m._y16 is not None for m in twins[0])
 
 
 def _rel_norm(got, want):

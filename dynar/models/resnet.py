@@ -24,12 +24,19 @@ class _Residual(Module):
             self.downsample = downsample
 
     def forward(self, x):
-        out = x
-        for layer in self._main:
-            out = layer.forward(out)
+        out = self._forward_through(self._main, x)
         # in place into the last BatchNorm's output: its backward needs its input only
         add(out, out, x if self.downsample is None else self.downsample.forward(x))
         return self.relu.forward(out)
+
+    def input_needed_in_backward(self):
+        # The identity shortcut reads x in forward only.
+        readers = (self._main[0],) + (() if self.downsample is None else (self.downsample,))
+        needs = {layer.input_needed_in_backward() for layer in readers}
+        return "float32" if "float32" in needs else "bf16" if "bf16" in needs else None
+
+    def keep_output_as_bf16(self, wanted):
+        return self.relu.keep_output_as_bf16(wanted)
 
     def backward(self, dy):
         arena = self._arena

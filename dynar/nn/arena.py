@@ -59,10 +59,12 @@ class StepArena:
         # This pass's takes: bytes, clock at take and at give-back (None: alive).
         self._sizes, self._starts, self._ends = [], [], []
         self._count = self._clock = 0
-        self._held = {}         # id(array) -> [take index, array, owners]
+        # id(array) -> [take index, array, owners, its own memory mapping or None]
+        self._held = {}
         self._owned = {}        # id(layer) -> the arrays its forward kept
         self._strayed = False
         self._bytes = {}        # key -> what its last pass took in all
+        self._bf16_copies = {}  # id(array) -> (array, its bf16 copy), this pass
 
     @property
     def followed_plan(self):
@@ -89,6 +91,7 @@ class StepArena:
         self.finish()
         self._held.clear()
         self._owned.clear()
+        self._bf16_copies.clear()
         self._count = self._clock = 0
         self._strayed = False
         self._key = key
@@ -107,12 +110,14 @@ class StepArena:
             self._ends.append(None)
         self._sizes[i], self._starts[i], self._ends[i] = nbytes, self._clock, None
         planned = self._plan.takes[i] if i < len(self._plan.takes) else None
+        mapping = None
         if planned is not None and planned[0] == nbytes and self._given_back(planned[2]):
             array = np.ndarray(shape, dtype, self._arena, planned[1])
         else:
             self._strayed = True
             array = mapped_empty(shape, dtype)
-        self._held[id(array)] = [i, array, 1]
+            mapping = _own_mapping(array)
+        self._held[id(array)] = [i, array, 1, mapping]
         if owner is not None:
             self._owned.setdefault(id(owner), []).append(array)
         return array
@@ -124,6 +129,15 @@ class StepArena:
             if ends[k] is None:
                 return False
         return True
+
+    def note_bf16_copy(self, array, copy):
+        """`copy` (uint16) holds `array` rounded to bf16 for the rest of this pass."""
+        self._bf16_copies[id(array)] = (array, copy)
+
+    def bf16_copy(self, array):
+        """The bf16 copy noted of `array` this pass, or None."""
+        entry = self._bf16_copies.get(id(array))
+        return entry[1] if entry is not None and entry[0] is array else None
 
     def share(self, array):
         """`array` goes to one more backward: it is free once each has passed it on."""
@@ -145,6 +159,10 @@ class StepArena:
         if entry[2] == 0:
             if self.poison:
                 entry[1].view(np.uint8).fill(0xFF)      # NaN in every float
+            elif entry[3] is not None:
+                # Its pages go back now, though a layer may still refer to it (an output
+                # given back in forward: precision.py's bf16 copies).
+                entry[3].madvise(mmap.MADV_DONTNEED)
             del self._held[id(done)]
             self._clock += 1
             self._ends[entry[0]] = self._clock
@@ -186,6 +204,16 @@ class StepArena:
     def nbytes(self):
         """Bytes of the planned arena."""
         return self._arena.nbytes
+
+
+def _own_mapping(array):
+    """The memory mapping `array`, from mapped_empty, has to itself, or None."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap):
+        return base.obj
+    return None
 
 
 def mapped_empty(shape, dtype=np.float32):

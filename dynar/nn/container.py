@@ -28,9 +28,13 @@ class Sequential(Module):
         return iter(self._layers)
 
     def forward(self, x):
-        for layer in self._layers:
-            x = layer.forward(x)
-        return x
+        return self._forward_through(self._layers, x)
+
+    def input_needed_in_backward(self):
+        return self._layers[0].input_needed_in_backward() if self._layers else "float32"
+
+    def keep_output_as_bf16(self, wanted):
+        return bool(self._layers) and self._layers[-1].keep_output_as_bf16(wanted)
 
     def backward(self, dy):
         return self._backward_through(self._layers, dy)

@@ -28,7 +28,7 @@ def _pair(v):
 
 
 class Conv2d(Bf16Operands, Module):
-    _keeps = ("_x", "_y")
+    _keeps = ("_x", "_x16", "_y")
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
                  generator=None):
@@ -45,7 +45,7 @@ class Conv2d(Bf16Operands, Module):
         init.torch_default_(self.weight.data, None if self.bias is None else self.bias.data,
                             generator)
         self._algorithm = "auto"
-        self._x = self._y = None
+        self._y = None
         self._x_shape = self._y_shape = None
         self._kernel = "gemm"   # the algorithm the current input shape runs on, and its entries
         self._run_forward = self._run_backward = None
@@ -82,7 +82,7 @@ class Conv2d(Bf16Operands, Module):
         self._run_forward(self._y, xr, w, bias, self.stride, self.padding,
                           bf16=self.precision == "bf16")
         self._give_back(scratch)
-        self._x = x
+        self._keep_input(x)
         return self._y
 
     def backward(self, dy):
@@ -90,7 +90,7 @@ class Conv2d(Bf16Operands, Module):
         if self.input_requires_grad:
             dx = self._grad_buffer(self._x_shape)
         db = None if self.bias is None else self.bias.grad
-        dyr, xr, w, scratch = self._backward_operands(dy, self._x)
+        dyr, xr, w, scratch = self._backward_operands(dy)
         self._zero_stale_grads()
         self._run_backward(dx, self.weight.grad, db, dyr, xr, w, self.stride, self.padding,
                            bf16=self.precision == "bf16")

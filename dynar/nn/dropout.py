@@ -12,6 +12,10 @@ class Dropout(Module):
 
     _keeps = ("_y", "_mask")
 
+    def input_needed_in_backward(self):
+        # Its mask; but in place, it changes its input, which a copy kept of it would miss.
+        return "float32" if self.inplace else None
+
     def __init__(self, p=0.5, inplace=False, generator=None):
         super().__init__()
         if not 0 <= p < 1:

@@ -208,6 +208,7 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
     # bf16 kernels round what they read; the portable path is timed with the rounding
     # passes the layer makes every call.
     rounding = _PortableRounding(w)
+    rounding._keep_input(x)
     dx = mapped_empty(x.shape) if layer.input_requires_grad else None
     dw, db = _zeros(w.shape), None if b is None else np.zeros_like(b)
     names = sorted(conv_algorithms.ALGORITHMS, key=lambda name: name != first)
@@ -229,7 +230,7 @@ def time_algorithms(x_shape, layer, repeats=REPEATS, first=None):
                 xr, wr, _ = rounding._forward_operands(x)
             kernel.forward(y, xr, wr, b, layer.stride, layer.padding, bf16=on_bf16)
             if portable:
-                dyr, xr, wr, _ = rounding._backward_operands(dy, x)
+                dyr, xr, wr, _ = rounding._backward_operands(dy)
             kernel.backward(dx, dw, db, dyr, xr, wr, layer.stride, layer.padding, bf16=on_bf16)
         try:
             best = _best_of(step, repeats, seconds)

@@ -48,7 +48,7 @@ def parse_plan(plan):
 
 
 class Linear(Bf16Operands, Module):
-    _keeps = ("_x", "_y")
+    _keeps = ("_x", "_x16", "_y")
 
     def __init__(self, in_features, out_features, bias=True, generator=None):
         super().__init__()
@@ -59,7 +59,7 @@ class Linear(Bf16Operands, Module):
         self.bias = Parameter(np.empty(out_features, np.float32)) if bias else None
         init.torch_default_(self.weight.data, None if self.bias is None else self.bias.data,
                             generator)
-        self._x = self._y = None
+        self._y = None
         self.plan = DEFAULT_PLAN
 
     @property
@@ -75,7 +75,7 @@ class Linear(Bf16Operands, Module):
 
     def forward(self, x):
         self._y = self._keep(self._y, (x.shape[0], self.out_features))
-        self._x = x
+        self._keep_input(x)
         kernel = self._bf16_kernel()
         if kernel:
             # y = x w^T (+ b), rounding x and w as the kernel packs them.
@@ -91,21 +91,23 @@ class Linear(Bf16Operands, Module):
     def backward(self, dy):
         dx = None
         if self.input_requires_grad:
-            dx = self._grad_buffer(self._x.shape)
+            dx = self._grad_buffer((dy.shape[0], self.in_features))
         kernel = self._bf16_kernel()
         if kernel:
             if dx is not None:
                 matmul(dx, dy, self.weight.data, kernel=kernel)           # dy w
             add = not self._overwrite_grads()
-            matmul(self.weight.grad, dy, self._x, trans_a=True, accumulate=add,
+            x, widened = self._kept_input()
+            matmul(self.weight.grad, dy, x, trans_a=True, accumulate=add,
                    kernel=kernel)                                        # (+)= dy^T x
+            self._give_back(widened)
             if self.bias is not None:   # from the rounded dy, as on the portable path
                 dyr = self._rounded("_scratch_dy", dy)
                 bias_gradient(self.bias.grad, dyr, accumulate=add)
                 self._give_back((dyr,))
             self._grad_ready()
             return dx
-        dyr, xr, w, scratch = self._backward_operands(dy, self._x)
+        dyr, xr, w, scratch = self._backward_operands(dy)
         add = not self._overwrite_grads()
         linear_backward(dx, self.weight.grad, None if self.bias is None else self.bias.grad,
                         dyr, xr, w, self._cuts["dx"], self._cuts["dw"], accumulate=add)

@@ -107,6 +107,37 @@ class Module:
         self._dx = self._reuse(self._dx, shape)
         return self._dx
 
+    def input_needed_in_backward(self):
+        """What this layer's backward reads of its input: "float32" (the array itself; the
+        default, always safe), "bf16" (a bf16 copy of it will do: an operand of bf16
+        products) or None (nothing: a pool keeps its argmax, a dropout its mask)."""
+        return "float32"
+
+    def keep_output_as_bf16(self, wanted):
+        """Whether this layer, asked (`wanted`) by the container running it, keeps only a
+        bf16 copy of its next output for its backward, so that the output's float32 memory
+        can go once the next layer's forward has read it (a ReLU in bf16: docs/DESIGN.md,
+        "Precision")."""
+        return False
+
+    def _forward_through(self, layers, x):
+        """x through `layers`' forward, first to last. In a model, a layer whose output
+        the next one needs in backward as bf16 at most keeps a bf16 copy of it for its own
+        backward, and the float32 output goes back to the arena after the next forward."""
+        arena = self._arena
+        if arena is None:
+            for layer in layers:
+                x = layer.forward(x)
+            return x
+        copied = [layer.keep_output_as_bf16(after.input_needed_in_backward() != "float32")
+                  for layer, after in zip(layers, layers[1:])]
+        for i, layer in enumerate(layers):
+            y = layer.forward(x)
+            if i and copied[i - 1]:
+                arena.passed_on(x, y)
+            x = y
+        return x
+
     def _backward_through(self, layers, dy):
         """dy through `layers`' backward, last to first; in a model each layer's kept
         arrays and each gradient (dy included) go back to the arena once consumed."""

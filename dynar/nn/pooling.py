@@ -10,6 +10,9 @@ from .module import Module
 class MaxPool2d(Module):
     _keeps = ("_y", "_argmax")
 
+    def input_needed_in_backward(self):
+        return None     # its argmax and the input's shape
+
     def __init__(self, kernel_size, stride=None, padding=0):
         super().__init__()
         self.kernel_size = kernel_size
@@ -40,6 +43,9 @@ class AvgPool2d(Module):
     """count_include_pad=True, as torch's default."""
 
     _keeps = ("_y",)
+
+    def input_needed_in_backward(self):
+        return None     # the input's shape
 
     def __init__(self, kernel_size, stride=None, padding=0):
         super().__init__()
@@ -72,6 +78,9 @@ class AdaptiveAvgPool2d(Module):
     layer for inputs other than 224x224, which dynar's imagenet variants do not take."""
 
     _keeps = ("_y",)
+
+    def input_needed_in_backward(self):
+        return None     # the input's shape
 
     def __init__(self, output_size):
         super().__init__()

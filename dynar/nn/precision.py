@@ -17,7 +17,8 @@ import functools
 import os
 
 from ..kernels import conv
-from ..kernels.bf16 import cpu_features, gemm_kernels, round_to_bf16
+from ..kernels.bf16 import cpu_features, gemm_kernels, round_to_bf16, to_float32
+from .activation import ReLU
 
 PRECISIONS = ("fp32", "bf16")
 # Set (to anything but "" or "0") to run bf16 on a CPU without bf16 instructions, where it
@@ -62,11 +63,12 @@ def gemm_kernel():
 
 
 def set_precision(model, precision):
-    """Every convolution and fully connected layer of `model` computes in `precision`."""
+    """Every convolution and fully connected layer of `model` computes in `precision`, and
+    in bf16 its ReLUs keep bf16 copies of their outputs where those layers are next."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     for layer in model.modules():
-        if isinstance(layer, Bf16Operands):
+        if isinstance(layer, (Bf16Operands, ReLU)):
             layer.precision = precision
     return model
 
@@ -76,11 +78,32 @@ class Bf16Operands:
     backward: hands them the bf16-rounded operands when `precision` is "bf16".
 
     Every rounded operand is scratch, given back once the kernel has run, and rounded again
-    in backward rather than kept: the input is alive anyway (the layer before keeps it), and
-    a rounded weight kept from forward to backward would add a copy of every weight to the
-    step's peak memory, where rounding it again costs one pass over it."""
+    in backward rather than kept: a rounded weight kept from forward to backward would add a
+    copy of every weight to the step's peak memory, where rounding it again costs one pass
+    over it. The input is kept as the layer before hands it over: where that is a ReLU
+    keeping a bf16 copy of it (activation.py), the layer keeps the copy, and backward widens
+    it into scratch: the values its rounding would read (Winograd, which transforms before
+    it rounds, then reads one rounding more: docs/DESIGN.md, "Precision")."""
     precision = "fp32"
     _scratch_w = _scratch_x = _scratch_dy = None
+    _x = _x16 = None
+
+    def input_needed_in_backward(self):
+        return "bf16" if self.precision == "bf16" else "float32"
+
+    def _keep_input(self, x):
+        """Keeps forward's input for backward: its bf16 copy where the arena has one."""
+        copy = None
+        if self.precision == "bf16" and self._arena is not None:
+            copy = self._arena.bf16_copy(x)
+        self._x, self._x16 = (x, None) if copy is None else (None, copy)
+
+    def _kept_input(self):
+        """(the input forward kept, as float32; the scratch to give back after)."""
+        if self._x16 is None:
+            return self._x, ()
+        x = to_float32(self._scratch("_scratch_x", self._x16.shape), self._x16)
+        return x, (x,)
 
     def _rounds_itself(self):
         """Whether this layer's kernels read their operands rounded to bf16 themselves (bf16
@@ -96,12 +119,13 @@ class Bf16Operands:
         xr = self._rounded("_scratch_x", x)
         return xr, w, (xr, w)
 
-    def _backward_operands(self, dy, x):
+    def _backward_operands(self, dy):
         """(dy, input, weight) the backward kernel reads, and the scratch to give back."""
+        x, widened = self._kept_input()
         if self.precision == "fp32" or self._rounds_itself():
-            return dy, x, self.weight.data, ()
+            return dy, x, self.weight.data, widened
         dyr = self._rounded("_scratch_dy", dy)
-        xr = self._rounded("_scratch_x", x)
+        xr = x if widened else self._rounded("_scratch_x", x)
         w = self._rounded("_scratch_w", self.weight.data)
         return dyr, xr, w, (dyr, xr, w)
 
