@@ -217,7 +217,7 @@ cdef Side _mask(object keep, object p, uint64_t seed) except *:
         pf = float("inf")
     if not 0 <= pf < 1:
         raise ValueError(f"p: must be in [0, 1), got {p!r}")
-    cdef Side m
+    cdef Side m = _NO_SIDE
     m.keep = <unsigned char*> data(keep)
     m.key = _splitmix64(seed)
     # p < 1, so p * 2^53 rounds to at most 2^53 - 1: at least one hash value keeps.

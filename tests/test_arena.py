@@ -112,3 +112,29 @@ def test_a_model_trains_bit_for_bit_as_with_its_own_buffers(name, variant, rng):
     arena = twins[0][0].step_arena
     assert arena.nbytes > 0 and twins[0][0]._arena is arena
     np.testing.assert_array_equal(twins[0][0].flat_params, twins[1][0].flat_params)
+
+
+def test_an_array_given_back_returns_its_memory_at_once():
+    # Fresh arrays of 1 MB and more have a mapping of their own; given back, its pages go,
+    # though something still refers to the array (a layer's output given back in forward),
+    # so they read as zeros after. A poisoned arena fills instead.
+    arena = StepArena(min_bytes=0)
+    arena.begin("k")
+    big, small = arena.take((512, 1024)), arena.take((8, 8))
+    big.fill(1.0)
+    small.fill(1.0)
+    arena.passed_on(big)
+    arena.passed_on(small)
+    assert not big.any() and (small == 1).all()
+
+
+@pytest.mark.parametrize("name, variant", [("alexnet", "cifar"), ("resnet18", "cifar")])
+def test_a_model_output_stays_valid_after_its_backward(name, variant, rng):
+    model = models.get(name, num_classes=10, variant=variant, seed=3)
+    model.step_arena = StepArena(min_bytes=0, poison=True)
+    for _ in range(2):      # the recorded pass, then a planned one
+        logits = model.forward(rng.standard_normal((4,) + model.input_shape,
+                                                   dtype=np.float32))
+        kept = logits.copy()
+        model.backward(rng.standard_normal(logits.shape, dtype=np.float32))
+        np.testing.assert_array_equal(logits, kept)

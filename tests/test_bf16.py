@@ -627,6 +627,41 @@ def test_a_relu_keeps_a_bf16_copy_only_where_the_next_layer_can_do_with_one(rng)
     assert not any(isinstance(m, nn.ReLU) and m._y16 is not None for m in twins[0])
 
 
+def test_a_relu_output_passed_through_a_layer_is_kept_as_the_reader_after_needs(rng):
+    # An inactive dropout or an identity pool hands the ReLU's output on: the layer after
+    # decides. Here an in-place dropout changes it (a copy made before would be stale), and
+    # a Flatten hands a view of it to a Linear, which keeps that view in float32.
+    from dynar.nn.arena import StepArena
+
+    def build(arena):
+        g = np.random.default_rng(0)
+        net = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, generator=g), nn.ReLU(inplace=True),
+            nn.Dropout(0.0, generator=g), nn.Dropout(0.5, inplace=True, generator=g),
+            nn.Conv2d(4, 4, 3, padding=1, generator=g), nn.ReLU(inplace=True),
+            nn.Sequential(nn.AdaptiveAvgPool2d((4, 4)), nn.Flatten(),
+                          nn.Linear(64, 10, generator=g)))
+        for layer in net.modules():
+            if isinstance(layer, nn.Conv2d):
+                layer.algorithm = "gemm"
+        return precision.set_precision(net, "bf16").use_arena(arena)
+
+    arena = StepArena(min_bytes=0, poison=True)
+    twins = [build(arena), build(None)]
+    x = rng.standard_normal((2, 3, 4, 4), dtype=np.float32)
+    dy = rng.standard_normal((2, 10), dtype=np.float32)
+    results = []
+    for net in twins:
+        if net._arena is not None:
+            arena.begin("train")
+        y = net.forward(x).copy()
+        copied = [m for m in net.modules() if isinstance(m, nn.ReLU) and m._y16 is not None]
+        results.append((y, net.backward(dy).copy(), copied))
+    assert results[0][2] == [] and results[1][2] == []
+    for got, want in zip(results[0][:2], results[1][:2]):
+        np.testing.assert_array_equal(got, want)
+
+
 def _rel_norm(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 

@@ -41,7 +41,10 @@ class Model(Sequential):
                 arena.begin(key)
         elif self._arena is not None:
             self.use_arena(None)
-        return super().forward(x)
+        y = super().forward(x)
+        if self._arena is not None:
+            self._arena.share(y)    # the caller's until the next forward, backward or not
+        return y
 
     def flatten_parameters(self):
         flat = super().flatten_parameters()

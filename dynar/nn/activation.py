@@ -31,6 +31,7 @@ class ReLU(Module):
 
     def forward(self, x):
         y = x if self.inplace else self._keep(self._y, x.shape)
+        # (Asked under an arena; the model may since run without one: a small pass.)
         if self._copy_output and self._arena is not None:
             self._y16 = self._keep(None, x.shape, np.uint16)
             relu_forward(y, x, self._y16)

@@ -3,8 +3,9 @@
 A training step keeps every layer's output (and a max pool's argmax, a dropout's mask) from
 its forward until its backward, and passes a gradient from each layer to the one before.
 Each of those arrays is dead long before the step ends: a layer's output once its own
-backward is done (every other reader of it ran backward earlier), a gradient once the layer
-before has consumed it. Kept by each layer across steps they would add up to every output
+backward is done (every other reader of it ran backward earlier), or already once the next
+layer's forward has read it where a bf16 copy of it serves backward, a gradient once the
+layer before has consumed it. Kept by each layer across steps they would add up to every output
 plus every gradient; laid out by when each is alive, they need about the most that is alive
 at once, which is what PyTorch's caching allocator holds too.
 
@@ -15,7 +16,11 @@ Protocol (docs/DESIGN.md, "Buffers: who owns what"):
   layer's forward took, and gives back each gradient with `passed_on` once the next layer has
   consumed it; a module that hands one gradient to two branches (a residual block's
   shortcut and main branch) first `share`s it;
-- what is never given back stays alive until the next pass begins.
+- in bf16, a ReLU notes the bf16 copy it keeps of its output (`note_bf16_copy`), the next
+  layer keeps that copy instead of the output (`bf16_copy`), and the container gives the
+  float32 output back with `passed_on` right after the next layer's forward;
+- what is never given back stays alive until the next pass begins (the model's output,
+  which its caller may read after backward, is `share`d so that it is not).
 
 The first pass of a kind (key) allocates every array afresh and records when each is taken
 and given back; the next `begin` of that kind plans an arena from those lifetimes (largest
@@ -64,7 +69,9 @@ class StepArena:
         self._owned = {}        # id(layer) -> the arrays its forward kept
         self._strayed = False
         self._bytes = {}        # key -> what its last pass took in all
-        self._bf16_copies = {}  # id(array) -> (array, its bf16 copy), this pass
+        # id(array) -> (array, its bf16 copy) until the array is given back; the entry holds
+        # the array, so its id cannot go to another meanwhile.
+        self._bf16_copies = {}
 
     @property
     def followed_plan(self):
@@ -137,18 +144,20 @@ class StepArena:
     def bf16_copy(self, array):
         """The bf16 copy noted of `array` this pass, or None."""
         entry = self._bf16_copies.get(id(array))
-        return entry[1] if entry is not None and entry[0] is array else None
+        return None if entry is None else entry[1]
 
     def share(self, array):
-        """`array` goes to one more backward: it is free once each has passed it on."""
+        """`array` has one more reader (a second branch's backward; the model's caller): it
+        is free once each has passed it on."""
         entry = self._held.get(id(array))
         if entry is not None:
             entry[2] += 1
 
     def passed_on(self, done, result=None):
-        """A backward consumed `done` and returned `result`: `done` is given back (once
-        every owner has) unless `result` lives in it (an in-place layer, a reshape).
-        Arrays that did not come from `take` are left alone."""
+        """A layer consumed `done` (in backward; or in forward, an output kept as a bf16
+        copy) and returned `result`: `done` is given back (once every owner has) unless
+        `result` lives in it (an in-place layer, a reshape). Arrays that did not come from
+        `take` are left alone."""
         if done is None or result is done or (
                 result is not None and np.may_share_memory(result, done)):
             return
@@ -160,10 +169,12 @@ class StepArena:
             if self.poison:
                 entry[1].view(np.uint8).fill(0xFF)      # NaN in every float
             elif entry[3] is not None:
-                # Its pages go back now, though a layer may still refer to it (an output
-                # given back in forward: precision.py's bf16 copies).
-                entry[3].madvise(mmap.MADV_DONTNEED)
+                # Its memory goes back now, though a layer may still refer to it (an output
+                # given back in forward, which the layer that took it holds until its
+                # backward). The mapping is shared: only MADV_REMOVE frees its pages.
+                entry[3].madvise(mmap.MADV_REMOVE)
             del self._held[id(done)]
+            self._bf16_copies.pop(id(done), None)
             self._clock += 1
             self._ends[entry[0]] = self._clock
 

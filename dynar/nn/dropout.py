@@ -13,8 +13,9 @@ class Dropout(Module):
     _keeps = ("_y", "_mask")
 
     def input_needed_in_backward(self):
-        # Its mask; but in place, it changes its input, which a copy kept of it would miss.
-        return "float32" if self.inplace else None
+        # Its mask. But in place it changes its input, which a copy made before would miss,
+        # and inactive it hands the input on: the next layer's needs are the input's.
+        return None if self.training and self.p > 0 and not self.inplace else "float32"
 
     def __init__(self, p=0.5, inplace=False, generator=None):
         super().__init__()

@@ -80,7 +80,9 @@ class AdaptiveAvgPool2d(Module):
     _keeps = ("_y",)
 
     def input_needed_in_backward(self):
-        return None     # the input's shape
+        # Of an input already of the output size it is the identity: the next layer's
+        # needs are the input's.
+        return None if self.output_size == (1, 1) else "float32"
 
     def __init__(self, output_size):
         super().__init__()

@@ -3,7 +3,9 @@
 In "bf16" a convolution or fully connected layer reads its weight, its input and, in
 backward, its output gradient rounded to bf16 (kernels/bf16: nearest-even, the same on every
 path) and accumulates in float32. Everything else stays float32: parameters and their
-gradients, the optimizer, the gradient allreduce, BatchNorm, the loss. bf16 keeps float32's
+gradients, the optimizer, the gradient allreduce, BatchNorm, the loss; but a ReLU whose
+output the next layer reads in backward only as a bf16 operand keeps a bf16 copy of it for
+backward (half the memory: docs/DESIGN.md, "Precision"). bf16 keeps float32's
 exponent range, so gradients need no loss scaling (docs/DESIGN.md, "Precision").
 
 Where this CPU has AMX, AVX512_BF16 or aarch64's BFMMLA, the products of im2col, Winograd,
