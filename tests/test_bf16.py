@@ -667,15 +667,21 @@ def _rel_norm(got, want):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name, variant", [("lenet", "mnist"), ("resnet18", "cifar")])
-def test_bf16_model_agrees_with_pytorch_autocast(name, variant, rng):
+@pytest.mark.parametrize("name, variant, relu_copies", [("lenet", "mnist", False),
+                                                        ("resnet18", "cifar", False),
+                                                        ("resnet18", "cifar", True)])
+def test_bf16_model_agrees_with_pytorch_autocast(name, variant, relu_copies, rng):
     # PyTorch's bf16 autocast rounds every activation to bf16 between layers, dynar only the
-    # GEMM layers' operands: the two agree to bf16's precision, not bit for bit. Held to
-    # the distance between autocast and float32 PyTorch on the same step, so the bound
-    # scales with what bf16 itself costs here.
+    # GEMM layers' operands (and, on the step arena, keeps the ReLUs' outputs as bf16 for
+    # backward): the two agree to bf16's precision, not bit for bit. Held to the distance
+    # between autocast and float32 PyTorch on the same step, so the bound scales with what
+    # bf16 itself costs here.
+    from dynar.nn.arena import StepArena
     torch = require_torch()
     import torch_reference
     model = precision.set_precision(models.get(name, variant=variant, seed=1), "bf16")
+    # 8 images are a small pass: the arena (and with it the copies) is forced on or off.
+    model.step_arena = StepArena(min_bytes=0) if relu_copies else None
     twin = torch_reference.build(name, variant)
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
     x = rng.standard_normal((8,) + model.input_shape, dtype=np.float32)
@@ -683,6 +689,8 @@ def test_bf16_model_agrees_with_pytorch_autocast(name, variant, rng):
     crit = nn.CrossEntropyLoss()
     model.zero_grad()
     logits = model.forward(x).copy()
+    assert relu_copies == any(m._y16 is not None for m in model.modules()
+                              if isinstance(m, nn.ReLU))
     crit.forward(logits, labels)
     model.backward(crit.backward())
 
