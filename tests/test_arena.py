@@ -2,6 +2,8 @@
 block by when each is alive. What must hold: arrays alive at once never share memory, a
 value stays put until its array is given back, a pass that strays from the planned one is
 still right, and a model trains bit for bit as with a buffer in every layer."""
+import mmap
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -114,6 +116,7 @@ def test_a_model_trains_bit_for_bit_as_with_its_own_buffers(name, variant, rng):
     np.testing.assert_array_equal(twins[0][0].flat_params, twins[1][0].flat_params)
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_REMOVE"), reason="needs Linux's MADV_REMOVE")
 def test_an_array_given_back_returns_its_memory_at_once():
     # Fresh arrays of 1 MB and more have a mapping of their own; given back, its pages go,
     # though something still refers to the array (a layer's output given back in forward),

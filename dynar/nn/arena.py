@@ -39,6 +39,8 @@ _ALIGN = 64     # bytes: every planned array starts on a cache line
 # Arrays from this size up get a memory mapping of their own (mapped_empty; kernel
 # workspace likewise, pyx/_scratch.pxd).
 _OWN_MAPPING_BYTES = 1 << 20
+# Frees the pages of a shared mapping at once (Linux); elsewhere they go when it is dropped.
+_FREE_PAGES = getattr(mmap, "MADV_REMOVE", None)
 # Passes that take less in all than this are not worth an arena: LeNet at batch 64 (5 MB)
 # ran 3-5% slower a step on its bookkeeping, a few microseconds a layer, for a few MB saved
 # (docs/notes/2026-12-02-memory.md).
@@ -168,11 +170,11 @@ class StepArena:
         if entry[2] == 0:
             if self.poison:
                 entry[1].view(np.uint8).fill(0xFF)      # NaN in every float
-            elif entry[3] is not None:
+            elif entry[3] is not None and _FREE_PAGES is not None:
                 # Its memory goes back now, though a layer may still refer to it (an output
                 # given back in forward, which the layer that took it holds until its
                 # backward). The mapping is shared: only MADV_REMOVE frees its pages.
-                entry[3].madvise(mmap.MADV_REMOVE)
+                entry[3].madvise(_FREE_PAGES)
             del self._held[id(done)]
             self._bf16_copies.pop(id(done), None)
             self._clock += 1
