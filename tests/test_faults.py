@@ -100,9 +100,16 @@ def test_a_rank_killed_mid_allreduce_ends_the_job(launcher):
     code, out, err, seconds = run(2, [FAULTS, "1", "5", "kill", *LENET, "--max-steps", "500"],
                                   extra)
     assert seconds < 30, err
-    assert "rank 1" in err, err
-    if launcher != "mpiexec":
-        assert any("lost rank 1 (host" in line for line in dynar_lines(err)), err
+    watchdog = any("lost rank 1 (host" in line for line in dynar_lines(err))
+    # The launcher may end rank 0 before its watchdog's report gets out: by default, and at
+    # times despite being told to leave survivors running (MPICH 4.0's Hydra, about 1 run
+    # in 40 here). Its own report then names the killed process: Hydra's on stdout, by pid
+    # and signal; Open MPI's on stderr, by rank.
+    hydra = "Killed (signal 9)" in out
+    if launcher == "mpiexec":
+        assert watchdog or hydra or "process rank 1" in err, (out, err)
+    else:
+        assert watchdog or hydra, (out, err)
 
 
 @pytest.mark.slow
