@@ -590,76 +590,65 @@ def test_bf16_relu_copies_halve_what_a_step_keeps_of_those_outputs(name, rng):
     assert arenas[1].nbytes < 0.9 * without.nbytes
 
 
-def test_a_relu_keeps_a_bf16_copy_only_where_the_next_layer_can_do_with_one(rng):
+def _bf16_net_on_arena_and_off(layers, x, dy):
+    """nn.Sequential(*layers(generator)) in bf16 (convolutions on im2col), forward and
+    backward once on a poisoned step arena and once on its own buffers: asserts the same
+    output and d(input) (a float32 array read after it went back holds NaN), and returns
+    the arena's net with the ReLUs that kept a bf16 copy of their output there."""
     from dynar.nn.arena import StepArena
-
-    def build(arena):
-        g = np.random.default_rng(0)
-        net = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1, generator=g), nn.ReLU(inplace=True),  # 1: conv next
-            nn.Conv2d(8, 8, 3, padding=1, generator=g), nn.ReLU(inplace=True),  # 3: pool next
-            nn.MaxPool2d(2), nn.ReLU(),                      # 5: in-place dropout next: no
-            nn.Dropout(0.5, inplace=True, generator=g), nn.ReLU(),   # 7: dropout next
-            nn.Dropout(0.5, generator=g), nn.ReLU(inplace=True),     # 9: flatten next: no
-            nn.Flatten(), nn.Linear(128, 10, generator=g))
+    arena = StepArena(min_bytes=0, poison=True)
+    results = []
+    for on in (arena, None):
+        net = nn.Sequential(*layers(np.random.default_rng(0)))
         for layer in net.modules():
             if isinstance(layer, nn.Conv2d):
                 layer.algorithm = "gemm"
-        precision.set_precision(net, "bf16")
-        return net.use_arena(arena)
-
-    arena = StepArena(min_bytes=0, poison=True)
-    twins = [build(arena), build(None)]
-    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
-    dy = rng.standard_normal((2, 10), dtype=np.float32)
-    results = []
-    for net in twins:
-        if net._arena is not None:
+        precision.set_precision(net, "bf16").use_arena(on)
+        if on is not None:
             arena.begin("train")
         y = net.forward(x).copy()
-        copied = [i for i, m in enumerate(net) if isinstance(m, nn.ReLU) and m._y16 is not None]
-        results.append((y, net.backward(dy).copy(), copied))
-    assert results[0][2] == [1, 3, 7] and results[1][2] == []
-    for got, want in zip(results[0][:2], results[1][:2]):
-        np.testing.assert_array_equal(got, want)
-    arena.begin("eval")
-    twins[0].eval().forward(x)
-    assert not any(isinstance(m, nn.ReLU) and m._y16 is not None for m in twins[0])
+        copied = [m for m in net.modules() if isinstance(m, nn.ReLU) and m._y16 is not None]
+        results.append((net, copied, y, net.backward(dy).copy()))
+    (net, copied, y, dx), (_, copied_off, y_off, dx_off) = results
+    assert copied_off == []
+    np.testing.assert_array_equal(y, y_off)
+    np.testing.assert_array_equal(dx, dx_off)
+    return net, copied
+
+
+def test_a_relu_keeps_a_bf16_copy_only_where_the_next_layer_can_do_with_one(rng):
+    def layers(g):
+        return (nn.Conv2d(3, 8, 3, padding=1, generator=g), nn.ReLU(inplace=True),  # conv next
+                nn.Conv2d(8, 8, 3, padding=1, generator=g), nn.ReLU(inplace=True),  # pool next
+                nn.MaxPool2d(2), nn.ReLU(),                     # in-place dropout next: no
+                nn.Dropout(0.5, inplace=True, generator=g), nn.ReLU(),  # dropout next
+                nn.Dropout(0.5, generator=g), nn.ReLU(inplace=True),    # flatten next: no
+                nn.Flatten(), nn.Linear(128, 10, generator=g))
+
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    net, copied = _bf16_net_on_arena_and_off(layers, x, rng.standard_normal((2, 10),
+                                                                            dtype=np.float32))
+    assert copied == [net[1], net[3], net[7]]
+    net._arena.begin("eval")
+    net.eval().forward(x)
+    assert not any(isinstance(m, nn.ReLU) and m._y16 is not None for m in net)
 
 
 def test_a_relu_output_passed_through_a_layer_is_kept_as_the_reader_after_needs(rng):
     # An inactive dropout or an identity pool hands the ReLU's output on: the layer after
     # decides. Here an in-place dropout changes it (a copy made before would be stale), and
     # a Flatten hands a view of it to a Linear, which keeps that view in float32.
-    from dynar.nn.arena import StepArena
+    def layers(g):
+        return (nn.Conv2d(3, 4, 3, padding=1, generator=g), nn.ReLU(inplace=True),
+                nn.Dropout(0.0, generator=g), nn.Dropout(0.5, inplace=True, generator=g),
+                nn.Conv2d(4, 4, 3, padding=1, generator=g), nn.ReLU(inplace=True),
+                nn.Sequential(nn.AdaptiveAvgPool2d((4, 4)), nn.Flatten(),
+                              nn.Linear(64, 10, generator=g)))
 
-    def build(arena):
-        g = np.random.default_rng(0)
-        net = nn.Sequential(
-            nn.Conv2d(3, 4, 3, padding=1, generator=g), nn.ReLU(inplace=True),
-            nn.Dropout(0.0, generator=g), nn.Dropout(0.5, inplace=True, generator=g),
-            nn.Conv2d(4, 4, 3, padding=1, generator=g), nn.ReLU(inplace=True),
-            nn.Sequential(nn.AdaptiveAvgPool2d((4, 4)), nn.Flatten(),
-                          nn.Linear(64, 10, generator=g)))
-        for layer in net.modules():
-            if isinstance(layer, nn.Conv2d):
-                layer.algorithm = "gemm"
-        return precision.set_precision(net, "bf16").use_arena(arena)
-
-    arena = StepArena(min_bytes=0, poison=True)
-    twins = [build(arena), build(None)]
-    x = rng.standard_normal((2, 3, 4, 4), dtype=np.float32)
-    dy = rng.standard_normal((2, 10), dtype=np.float32)
-    results = []
-    for net in twins:
-        if net._arena is not None:
-            arena.begin("train")
-        y = net.forward(x).copy()
-        copied = [m for m in net.modules() if isinstance(m, nn.ReLU) and m._y16 is not None]
-        results.append((y, net.backward(dy).copy(), copied))
-    assert results[0][2] == [] and results[1][2] == []
-    for got, want in zip(results[0][:2], results[1][:2]):
-        np.testing.assert_array_equal(got, want)
+    _, copied = _bf16_net_on_arena_and_off(
+        layers, rng.standard_normal((2, 3, 4, 4), dtype=np.float32),
+        rng.standard_normal((2, 10), dtype=np.float32))
+    assert copied == []
 
 
 def _rel_norm(got, want):
