@@ -5,9 +5,9 @@ its forward until its backward, and passes a gradient from each layer to the one
 Each of those arrays is dead long before the step ends: a layer's output once its own
 backward is done (every other reader of it ran backward earlier), or already once the next
 layer's forward has read it where a bf16 copy of it serves backward, a gradient once the
-layer before has consumed it. Kept by each layer across steps they would add up to every output
-plus every gradient; laid out by when each is alive, they need about the most that is alive
-at once, which is what PyTorch's caching allocator holds too.
+layer before has consumed it. Kept by each layer across steps they would add up to every
+output plus every gradient; laid out by when each is alive, they need about the most that
+is alive at once, which is what PyTorch's caching allocator holds too.
 
 Protocol (docs/DESIGN.md, "Buffers: who owns what"):
 - the model's forward starts a pass with `begin(key)` (key: the input's shape and the mode);
