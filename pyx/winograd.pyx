@@ -74,6 +74,19 @@ cdef struct WinogradPlan:
     Py_ssize_t u_size, partials_size, per_thread, lane_plane
 
 
+# A chunk's transformed tiles (and products, gradients) are 16 position blocks of `rows` x ld
+# values, one after another. A tile's transform writes (and the output transform reads) all
+# 16 at once: at a stride that is a multiple of 4 KB, as rows x ld often is, every one of
+# them falls in the same set of the L1 and L2 caches, which hold 8 to 16 ways, and they evict
+# each other. A cache line's padding after each block puts them in 16 sets.
+DEF POSITION_PAD = 16
+
+
+cdef inline Py_ssize_t _position_stride(Py_ssize_t rows, Py_ssize_t ld) noexcept nogil:
+    """Values from one position's block of a chunk to the next: rows x ld, padded."""
+    return rows * ld + POSITION_PAD
+
+
 cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     cdef WinogradPlan* s = <WinogradPlan*> plan
     cdef const ConvGeometry* g = &c.g
@@ -107,7 +120,8 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     # the transformed input tiles and the products (or output-gradient tiles), then bands,
     # then a lane plane, then (bf16 backward) the weight gradient's packed operand
     s.lane_plane = (2 * s.th + 2) * s.Wp * s.G if s.lanes else 0
-    s.per_thread = 16 * (g.C + g.Co) * s.T + (12 + 4 * s.R) * (2 * s.tw + 2) + s.lane_plane
+    s.per_thread = (16 * (_position_stride(g.C, s.T) + _position_stride(g.Co, s.T))
+                    + (12 + 4 * s.R) * (2 * s.tw + 2) + s.lane_plane)
     if c.backward and s.bf16:    # the weight gradient's packed dM
         s.per_thread += (bf16_panel_size(g.Co, s.T) + 1) // 2
     return (s.u_size + s.partials_size + s.threads * s.per_thread) * (4 if c.kind == F32 else 8)
@@ -115,13 +129,14 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
 
 cdef inline Py_ssize_t _u_stride(const WinogradPlan* s, bint transposed) noexcept nogil:
     """Elements from u[xi] to u[xi + 1] (see _transform_weights); for bf16 panels, the
-    floats their halves fill."""
+    floats their halves fill. Padded as a chunk's positions are (_position_stride)."""
     if not s.panels:
-        return s.g.Co * s.g.C
+        return _position_stride(s.g.Co, s.g.C)
     if s.bf16:   # (an even count of halves)
-        return (bf16_panel_size(s.g.C, s.g.Co) if transposed
-                else bf16_panel_size(s.g.Co, s.g.C)) // 2
-    return panel_size(s.g.C, s.g.Co) if transposed else panel_size(s.g.Co, s.g.C)
+        return _position_stride(1, (bf16_panel_size(s.g.C, s.g.Co) if transposed
+                                    else bf16_panel_size(s.g.Co, s.g.C)) // 2)
+    return _position_stride(1, panel_size(s.g.C, s.g.Co) if transposed
+                            else panel_size(s.g.Co, s.g.C))
 
 
 cdef inline Py_ssize_t _u_size(const WinogradPlan* s) noexcept nogil:
@@ -257,6 +272,7 @@ cdef void _input_tiles(floating* v, Py_ssize_t ld, const floating* x, const Wino
     """v[xi, c, p] (16, C, ld) = B^T d B for tile rows [ty0, ty1) of one image x (C, H, W);
     p counts tiles from 0 row by row."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t v_step = _position_stride(g.C, ld)
     cdef Py_ssize_t width = 2 * s.tw + 2, c, ty, i, r
     cdef const floating* rows[4]
     cdef floating* zeros = band      # a row of the padding (the band is W or more wide)
@@ -277,10 +293,10 @@ cdef void _input_tiles(floating* v, Py_ssize_t ld, const floating* x, const Wino
                                      rows[3], g.W, g.pw, s.tw)
         for ty in range(ty0, ty1):
             if floating is float:
-                wino_input_row_f(v + c * ld + (ty - ty0) * s.tw, g.C * ld,
+                wino_input_row_f(v + c * ld + (ty - ty0) * s.tw, v_step,
                                  t + 4 * (ty - ty0) * width, s.tw)
             else:
-                wino_input_row_d(v + c * ld + (ty - ty0) * s.tw, g.C * ld,
+                wino_input_row_d(v + c * ld + (ty - ty0) * s.tw, v_step,
                                  t + 4 * (ty - ty0) * width, s.tw)
 
 
@@ -289,6 +305,7 @@ cdef void _output_tiles(floating* y, const floating* m, Py_ssize_t ld, const flo
                         floating* band) noexcept nogil:
     """y (C_out, Ho, Wo) of one image, tile rows [ty0, ty1) = A^T m A (+ b)."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t m_step = _position_stride(g.Co, ld)
     cdef Py_ssize_t width = 2 * s.tw, co, ty, i
     cdef const floating* mt
     cdef floating* y0
@@ -302,9 +319,9 @@ cdef void _output_tiles(floating* y, const floating* m, Py_ssize_t ld, const flo
             y0 = y + (co * g.Ho + 2 * ty) * g.Wo if direct else band
             y1 = y0 + g.Wo if direct else band + width
             if floating is float:
-                wino_output_row_f(y0, y1, mt, g.Co * ld, s.tw, b[co] if b != NULL else 0)
+                wino_output_row_f(y0, y1, mt, m_step, s.tw, b[co] if b != NULL else 0)
             else:
-                wino_output_row_d(y0, y1, mt, g.Co * ld, s.tw, b[co] if b != NULL else 0)
+                wino_output_row_d(y0, y1, mt, m_step, s.tw, b[co] if b != NULL else 0)
             if not direct:
                 for i in range(2):
                     if 2 * ty + i < g.Ho:
@@ -318,6 +335,7 @@ cdef void _output_grad_tiles(floating* dm, Py_ssize_t ld, const floating* dy, co
     """dm[xi, co, p] (16, C_out, ld) = A g A^T for tile rows [ty0, ty1) of one image's
     dy (C_out, Ho, Wo); outputs past an odd edge count as zero."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t m_step = _position_stride(g.Co, ld)
     cdef Py_ssize_t width = 2 * s.tw, co, ty, i
     cdef floating* out
     cdef const floating* g0
@@ -337,9 +355,9 @@ cdef void _output_grad_tiles(floating* dm, Py_ssize_t ld, const floating* dy, co
                 g0 = band
                 g1 = band + width
             if floating is float:
-                wino_output_grad_row_f(out, g.Co * ld, g0, g1, s.tw)
+                wino_output_grad_row_f(out, m_step, g0, g1, s.tw)
             else:
-                wino_output_grad_row_d(out, g.Co * ld, g0, g1, s.tw)
+                wino_output_grad_row_d(out, m_step, g0, g1, s.tw)
             out += s.tw
 
 
@@ -348,6 +366,7 @@ cdef void _input_grad_tiles(floating* dx, const floating* dv, Py_ssize_t ld, con
     """dx (C, H, W) of one image += B dv B^T of tile rows [ty0, ty1), each added back where
     its patch was read (the adjoint of _input_tiles; padding positions are dropped)."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t v_step = _position_stride(g.C, ld)
     cdef Py_ssize_t width = 2 * s.tw + 2, c, ty, i, k, r
     cdef Py_ssize_t n = g.W if g.W < width - g.pw else width - g.pw
     cdef const floating* vt
@@ -357,9 +376,9 @@ cdef void _input_grad_tiles(floating* dx, const floating* dv, Py_ssize_t ld, con
         vt = dv + c * ld
         for ty in range(ty0, ty1):
             if floating is float:
-                wino_input_grad_row_f(band, width, vt, g.C * ld, s.tw, band + 4 * width)
+                wino_input_grad_row_f(band, width, vt, v_step, s.tw, band + 4 * width)
             else:
-                wino_input_grad_row_d(band, width, vt, g.C * ld, s.tw, band + 4 * width)
+                wino_input_grad_row_d(band, width, vt, v_step, s.tw, band + 4 * width)
             for i in range(4):
                 r = 2 * ty - g.ph + i
                 if 0 <= r < g.H:
@@ -380,6 +399,7 @@ cdef void _chunk_input(floating* v, Py_ssize_t ld, const floating* x, const Wino
                        floating* plane) noexcept nogil:
     """v (16, C, ld) = the input tiles of images x[0:gn], tile rows [ty0, ty1)."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t v_step = _position_stride(g.C, ld)
     cdef Py_ssize_t c, n, r, q, image = g.C * g.H * g.W
     cdef floating* dst
     if not s.lanes:
@@ -394,9 +414,9 @@ cdef void _chunk_input(floating* v, Py_ssize_t ld, const floating* x, const Wino
                 for q in range(g.W):
                     dst[q * gn] = x[n * image + (c * g.H + r) * g.W + q]
         if floating is float:
-            wino_lanes_input_f(v + c * ld, g.C * ld, plane, s.Wp, s.th, s.tw, gn)
+            wino_lanes_input_f(v + c * ld, v_step, plane, s.Wp, s.th, s.tw, gn)
         else:
-            wino_lanes_input_d(v + c * ld, g.C * ld, plane, s.Wp, s.th, s.tw, gn)
+            wino_lanes_input_d(v + c * ld, v_step, plane, s.Wp, s.th, s.tw, gn)
 
 
 cdef void _chunk_output(floating* y, const floating* m, Py_ssize_t ld, const floating* b,
@@ -404,6 +424,7 @@ cdef void _chunk_output(floating* y, const floating* m, Py_ssize_t ld, const flo
                         floating* band, floating* plane) noexcept nogil:
     """y[0:gn] (C_out, Ho, Wo), tile rows [ty0, ty1) = A^T m A (+ b)."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t m_step = _position_stride(g.Co, ld)
     cdef Py_ssize_t co, n, oh, ow, image = g.Co * g.Ho * g.Wo
     cdef floating* dst
     if not s.lanes:
@@ -412,10 +433,10 @@ cdef void _chunk_output(floating* y, const floating* m, Py_ssize_t ld, const flo
         return
     for co in range(g.Co):
         if floating is float:
-            wino_lanes_output_f(plane, m + co * ld, g.Co * ld, s.th, s.tw, gn,
+            wino_lanes_output_f(plane, m + co * ld, m_step, s.th, s.tw, gn,
                                 b[co] if b != NULL else 0)
         else:
-            wino_lanes_output_d(plane, m + co * ld, g.Co * ld, s.th, s.tw, gn,
+            wino_lanes_output_d(plane, m + co * ld, m_step, s.th, s.tw, gn,
                                 b[co] if b != NULL else 0)
         for n in range(gn):
             for oh in range(g.Ho):
@@ -429,6 +450,7 @@ cdef void _chunk_output_grad(floating* dm, Py_ssize_t ld, const floating* dy, co
                              floating* plane) noexcept nogil:
     """dm (16, C_out, ld) = A dy A^T for the tiles of images dy[0:gn], tile rows [ty0, ty1)."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t m_step = _position_stride(g.Co, ld)
     cdef Py_ssize_t co, n, oh, ow, image = g.Co * g.Ho * g.Wo
     cdef floating* dst
     if not s.lanes:
@@ -444,9 +466,9 @@ cdef void _chunk_output_grad(floating* dm, Py_ssize_t ld, const floating* dy, co
                 for ow in range(g.Wo):
                     dst[ow * gn] = dy[n * image + (co * g.Ho + oh) * g.Wo + ow]
         if floating is float:
-            wino_lanes_output_grad_f(dm + co * ld, g.Co * ld, plane, s.th, s.tw, gn)
+            wino_lanes_output_grad_f(dm + co * ld, m_step, plane, s.th, s.tw, gn)
         else:
-            wino_lanes_output_grad_d(dm + co * ld, g.Co * ld, plane, s.th, s.tw, gn)
+            wino_lanes_output_grad_d(dm + co * ld, m_step, plane, s.th, s.tw, gn)
 
 
 cdef void _chunk_input_grad(floating* dx, const floating* dv, Py_ssize_t ld, const WinogradPlan* s,
@@ -454,6 +476,7 @@ cdef void _chunk_input_grad(floating* dx, const floating* dv, Py_ssize_t ld, con
                             floating* plane) noexcept nogil:
     """dx[0:gn] (C, H, W) += B dv B^T of the chunk's tiles (tile rows [ty0, ty1))."""
     cdef const ConvGeometry* g = &s.g
+    cdef Py_ssize_t v_step = _position_stride(g.C, ld)
     cdef Py_ssize_t c, n, r, q, image = g.C * g.H * g.W
     cdef floating* dst
     if not s.lanes:
@@ -464,9 +487,9 @@ cdef void _chunk_input_grad(floating* dx, const floating* dv, Py_ssize_t ld, con
     for c in range(g.C):
         memset(plane, 0, (2 * s.th + 2) * s.Wp * gn * sizeof(floating))
         if floating is float:
-            wino_lanes_input_grad_f(plane, s.Wp, dv + c * ld, g.C * ld, s.th, s.tw, gn)
+            wino_lanes_input_grad_f(plane, s.Wp, dv + c * ld, v_step, s.th, s.tw, gn)
         else:
-            wino_lanes_input_grad_d(plane, s.Wp, dv + c * ld, g.C * ld, s.th, s.tw, gn)
+            wino_lanes_input_grad_d(plane, s.Wp, dv + c * ld, v_step, s.th, s.tw, gn)
         for n in range(gn):
             for r in range(g.H):
                 dst = dx + n * image + (c * g.H + r) * g.W
@@ -484,7 +507,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef const WinogradPlan* s = <const WinogradPlan*> plan
     cdef const ConvGeometry* g = &s.g
     cdef Py_ssize_t groups = (g.N + s.G - 1) // s.G
-    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi
+    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, v_step, m_step
     cdef floating* u = work
     cdef floating* v = NULL
     cdef floating* m = NULL
@@ -496,8 +519,8 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     _transform_weights(u, w, s, False)
     with parallel(num_threads=s.threads):
         v = work + s.u_size + threadid() * s.per_thread
-        m = v + 16 * g.C * s.T
-        band = m + 16 * g.Co * s.T
+        m = v + 16 * _position_stride(g.C, s.T)
+        band = m + 16 * _position_stride(g.Co, s.T)
         plane = band + (12 + 4 * s.R) * (2 * s.tw + 2)
         for grp in prange(groups, schedule="static"):
             n0 = grp * s.G
@@ -506,12 +529,14 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
             while ty0 < s.th:
                 ty1 = ty0 + s.R if ty0 + s.R < s.th else s.th
                 ld = _chunk_tiles(s, gn, ty0, ty1)
+                v_step = _position_stride(g.C, ld)
+                m_step = _position_stride(g.Co, ld)
                 _chunk_input(v, ld, x + n0 * g.C * g.H * g.W, s, gn, ty0, ty1, band, plane)
                 for xi in range(16):
                     a = weights_operand(g.Co, g.C, False, u + xi * u_stride if panels else NULL,
                                         s.panels, s.bf16)
-                    times_weights(m + xi * g.Co * ld, ld, &a, u + xi * u_stride,
-                                  v + xi * g.C * ld, ld, ld, NULL)
+                    times_weights(m + xi * m_step, ld, &a, u + xi * u_stride,
+                                  v + xi * v_step, ld, ld, NULL)
                 _chunk_output(y + n0 * g.Co * g.Ho * g.Wo, m, ld, b, s, gn, ty0, ty1, band,
                               plane)
                 ty0 = ty1
@@ -527,7 +552,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef Py_ssize_t slot = 16 * g.Co * g.C
     cdef floating* u = work
     cdef floating* partials = work + s.u_size
-    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, co, b, block
+    cdef Py_ssize_t grp, n0, gn, ty0, ty1, ld, xi, v_step, m_step, co, b, block
     cdef floating* v = NULL
     cdef floating* dm = NULL
     cdef floating* du = NULL
@@ -545,8 +570,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     _transform_weights(u, w, s, True)
     with parallel(num_threads=threads):
         v = partials + s.partials_size + threadid() * s.per_thread
-        dm = v + 16 * g.C * s.T
-        band = dm + 16 * g.Co * s.T
+        dm = v + 16 * _position_stride(g.C, s.T)
+        band = dm + 16 * _position_stride(g.Co, s.T)
         plane = band + (12 + 4 * s.R) * (2 * s.tw + 2)
         packed = plane + s.lane_plane
         du = partials + threadid() * slot
@@ -559,6 +584,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
             while ty0 < s.th:
                 ty1 = ty0 + s.R if ty0 + s.R < s.th else s.th
                 ld = _chunk_tiles(s, gn, ty0, ty1)
+                v_step = _position_stride(g.C, ld)
+                m_step = _position_stride(g.Co, ld)
                 _chunk_input(v, ld, x + n0 * g.C * g.H * g.W, s, gn, ty0, ty1, band, plane)
                 _chunk_output_grad(dm, ld, dy + n0 * g.Co * g.Ho * g.Wo, s, gn, ty0, ty1, band,
                                    plane)
@@ -567,19 +594,19 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
                 for xi in range(16):
                     if floating is float and s.bf16:
                         bf16_gemm_nt(s.bf16, du + xi * g.Co * g.C, g.C,
-                                     dm + xi * g.Co * ld, ld, g.Co, v + xi * g.C * ld, ld,
+                                     dm + xi * m_step, ld, g.Co, v + xi * v_step, ld,
                                      g.C, ld, <uint16_t*> packed, s.panels, beta != 0)
                     else:
                         gemm(False, True, <int> g.Co, <int> g.C, <int> ld, <floating> 1,
-                             dm + xi * g.Co * ld, <int> ld, v + xi * g.C * ld, <int> ld,
+                             dm + xi * m_step, <int> ld, v + xi * v_step, <int> ld,
                              beta, du + xi * g.Co * g.C, <int> g.C)
                     if dx != NULL:
                         # dV overwrites V: this position's weight-gradient GEMM consumed it.
                         a = weights_operand(g.Co, g.C, True,
                                             u + xi * u_stride if panels else NULL, s.panels,
                                             s.bf16)
-                        times_weights(v + xi * g.C * ld, ld, &a, u + xi * u_stride,
-                                      dm + xi * g.Co * ld, ld, ld, NULL)
+                        times_weights(v + xi * v_step, ld, &a, u + xi * u_stride,
+                                      dm + xi * m_step, ld, ld, NULL)
                 if dx != NULL:
                     _chunk_input_grad(dx + n0 * g.C * g.H * g.W, v, ld, s, gn, ty0, ty1, band,
                                       plane)
