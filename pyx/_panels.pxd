@@ -50,6 +50,9 @@ cdef extern from "panel_gemm_bf16.h" nogil:
     void bf16_panel_pack(uint16_t* panels, const float* a, Py_ssize_t m, Py_ssize_t k,
                          Py_ssize_t row_stride, Py_ssize_t col_stride, Py_ssize_t p0,
                          Py_ssize_t p1)
+    void bf16_panel_pack_taps(uint16_t* panels, Py_ssize_t tap_stride, const float* a,
+                              Py_ssize_t m, Py_ssize_t k, Py_ssize_t row_stride,
+                              Py_ssize_t col_stride, int taps, Py_ssize_t p0, Py_ssize_t p1)
     void bf16_panel_gemm(int kernel, float* c, Py_ssize_t ldc, const uint16_t* panels,
                          Py_ssize_t m, Py_ssize_t k, const float* b, Py_ssize_t ldb,
                          bint b_transposed, Py_ssize_t n, const float* bias,

@@ -37,7 +37,7 @@ cimport numpy as cnp
 from _blas cimport gemm
 from _conv_call cimport ConvAlgorithm, ConvCall, ConvGeometry, algorithm_capsule
 from _panels cimport (bf16_gemm_nt, bf16_panel_count, bf16_panel_gemm, bf16_panel_offset,
-                      bf16_panel_pack, bf16_panel_size)
+                      bf16_panel_pack_taps, bf16_panel_size)
 from _lane_sums cimport runs_sum
 from _parallel cimport threads_for
 from _tap_range cimport tap_end_valid, tap_first_valid
@@ -51,6 +51,8 @@ cnp.import_array()
 DEF BLOCK_ROWS = 16
 # Side of the square tiles the layout changes copy.
 DEF TRANSPOSE_TILE = 16
+# Halves (a cache line) between one tap's bf16 panels and the next's.
+DEF TAP_PANELS_PAD = 32
 
 
 cdef struct TapPlan:
@@ -141,7 +143,9 @@ cdef Py_ssize_t _plan(const ConvCall* c, void* plan) except -1:
     cdef bint with_dx = c.dx != NULL
     s.bf16 = c.bf16
     s.panel_block = c.panel_block
-    s.tap_panels = bf16_panel_size(g.C, g.Co) if c.backward else bf16_panel_size(g.Co, g.C)
+    # (a cache line apart, so that the taps' panels, packed together, fall in different sets)
+    s.tap_panels = (bf16_panel_size(g.C, g.Co) if c.backward
+                    else bf16_panel_size(g.Co, g.C)) + TAP_PANELS_PAD
     cdef Py_ssize_t wt_room = wt_size
     if s.bf16 and (s.taps * s.tap_panels + 1) // 2 > wt_room:
         wt_room = (s.taps * s.tap_panels + 1) // 2
@@ -230,14 +234,16 @@ cdef inline void _repack_weights(floating* wt, const floating* w, const TapPlan*
     _transpose(wt + o * s.taps * C, C, 1, w + o * C * s.taps, s.taps, 1, C, s.taps, False)
 
 
-cdef inline void _pack_tap(uint16_t* panels, const float* w, const TapPlan* s, Py_ssize_t t,
-                           bint transposed) noexcept nogil:
-    """Tap t of w (C_out, C_in, kh, kw) as bf16 panels: w_t (C_out, C_in), or w_t^T."""
+cdef inline void _pack_taps(uint16_t* panels, const float* w, const TapPlan* s, Py_ssize_t p,
+                            bint transposed) noexcept nogil:
+    """Panel p of every tap of w (C_out, C_in, kh, kw) as bf16 panels: w_t (C_out, C_in), or
+    w_t^T, tap t's at panels + t * tap_panels."""
     cdef Py_ssize_t rows = s.g.C if transposed else s.g.Co
     cdef Py_ssize_t depth = s.g.Co if transposed else s.g.C
     cdef Py_ssize_t per_input = s.taps, per_output = s.g.C * s.taps
-    bf16_panel_pack(panels, w + t, rows, depth, per_input if transposed else per_output,
-                    per_output if transposed else per_input, 0, bf16_panel_count(rows))
+    bf16_panel_pack_taps(panels, s.tap_panels, w, rows, depth,
+                         per_input if transposed else per_output,
+                         per_output if transposed else per_input, <int> s.taps, p, p + 1)
 
 
 cdef inline Py_ssize_t _block_start(Py_ssize_t k, Py_ssize_t parts, Py_ssize_t n) noexcept nogil:
@@ -255,7 +261,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef const ConvGeometry* g = &s.g
     cdef Py_ssize_t P = g.Ho * g.Wo, HW = g.H * g.W
     cdef int threads = s.threads
-    cdef Py_ssize_t k, c, o, o0, o1, r, q, t
+    cdef Py_ssize_t k, c, o, o0, o1, r, q, t, p
     cdef Run* runs = <Run*> work
     cdef floating* xt = <floating*> (<char*> work + s.runs_bytes)
     cdef floating* yt = xt + g.C * s.in_ld
@@ -267,8 +273,8 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
         for c in prange(g.C, schedule="static"):
             _relayout(<floating*> x + c * HW, g.C * HW, xt + c * s.in_ld, s, True)
         if bf16:
-            for t in prange(s.taps, schedule="static"):
-                _pack_tap(panels + t * s.tap_panels, <const float*> w, s, t, False)
+            for p in prange(bf16_panel_count(g.Co), schedule="static"):
+                _pack_taps(panels, <const float*> w, s, p, False)
         else:
             for o in prange(g.Co, schedule="static"):
                 _repack_weights(wt, w, s, o)
@@ -304,7 +310,7 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
     cdef const ConvGeometry* g = &s.g
     cdef Py_ssize_t P = g.Ho * g.Wo, HW = g.H * g.W
     cdef int threads = s.threads
-    cdef Py_ssize_t k, c, o, o0, o1, c0, c1, r, t
+    cdef Py_ssize_t k, c, o, o0, o1, c0, c1, r, t, p
     cdef floating beta
     cdef floating* dwt_t
     cdef Run* runs = <Run*> work
@@ -320,8 +326,8 @@ cdef void _backward(floating* dx, floating* dw, floating* db, const floating* dy
         for c in prange(g.C, schedule="static"):
             _relayout(<floating*> x + c * HW, g.C * HW, xt + c * s.in_ld, s, True)
         if bf16 and dx != NULL:
-            for t in prange(s.taps, schedule="static"):
-                _pack_tap(panels + t * s.tap_panels, <const float*> w, s, t, True)
+            for p in prange(bf16_panel_count(g.C), schedule="static"):
+                _pack_taps(panels, <const float*> w, s, p, True)
         for o in prange(g.Co, schedule="static"):
             _transpose(dyt + o * s.out_ld, g.N, 1, dy + o * P, g.Co * P, 1, g.N, P, False)
             if db != NULL:
