@@ -83,42 +83,48 @@ static inline ptrdiff_t bf16_panel_offset(ptrdiff_t i, ptrdiff_t j, ptrdiff_t k)
     return bf16_panel_unit(i, j / 2, k) * 2 + j % 2;
 }
 
+/* Taps bf16_panel_pack_taps gathers at once: a 3x3 kernel's, in an 18 KB buffer. */
+#define BF16_PACK_TAPS 9
+
 /* Panels [p0, p1) of `taps` operands of shape (m, k) packed at once, tap t's element (i, j)
  * at a[i * row_stride + j * col_stride + t], rounded to bf16, with the zero padding: tap t's
  * panels start tap_stride halves after tap t - 1's. (One operand: taps 1; a convolution's
  * weights (C_out, C_in, kh, kw) are kh * kw operands, one per kernel tap, interleaved.)
  * A panel's depth block (16 rows x 32 values, a row's values adjacent when packed) is
- * gathered first, for every tap, into an L1 buffer: whichever stride is the small one, the
- * gather then walks a few kilobytes of `a`, and each packed row is stored whole. Packing
- * element by element, a store of two bytes each at an index computed each time, ran at
- * 10 cycles an element. */
+ * gathered first, for up to BF16_PACK_TAPS taps, into a buffer that stays in L1: whichever
+ * stride is the long one, the gather then walks a few kilobytes of `a`, and each packed row
+ * is stored whole. Packing element by element, a store of two bytes each at an index
+ * computed each time, ran at about 10 cycles an element. */
 static void bf16_panel_pack_taps(uint16_t *restrict panels, ptrdiff_t tap_stride,
                                  const float *restrict a, ptrdiff_t m, ptrdiff_t k,
                                  ptrdiff_t row_stride, ptrdiff_t col_stride, int taps,
                                  ptrdiff_t p0, ptrdiff_t p1)
 {
     enum { ROWS = BF16_PANEL_ROWS, DEPTH = 2 * BF16_BLOCK_PAIRS };
-    float block[taps][ROWS][DEPTH];
-    for (ptrdiff_t p = p0; p < p1; p++)
-        for (ptrdiff_t t0 = 0; t0 < bf16_panel_pairs(k); t0 += BF16_BLOCK_PAIRS) {
-            for (int r = 0; r < ROWS; r++) {
-                const ptrdiff_t i = p * ROWS + r;
-                for (int d = 0; d < DEPTH; d++) {
-                    const ptrdiff_t j = 2 * t0 + d;
-                    const float *src = a + i * row_stride + j * col_stride;
-                    const int inside = i < m && j < k;
-                    for (int t = 0; t < taps; t++)
-                        block[t][r][d] = inside ? src[t] : 0.0f;
-                }
-            }
-            for (int t = 0; t < taps; t++)
+    float block[BF16_PACK_TAPS][ROWS][DEPTH];
+    for (int t0 = 0; t0 < taps; t0 += BF16_PACK_TAPS) {
+        const int group = taps - t0 < BF16_PACK_TAPS ? taps - t0 : BF16_PACK_TAPS;
+        for (ptrdiff_t p = p0; p < p1; p++)
+            for (ptrdiff_t u = 0; u < bf16_panel_pairs(k); u += BF16_BLOCK_PAIRS) {
                 for (int r = 0; r < ROWS; r++) {
-                    uint16_t *row = panels + t * tap_stride
-                                    + 2 * bf16_panel_unit(p * ROWS + r, t0, k);
-                    for (int d = 0; d < DEPTH; d++)
-                        row[d] = dynar_bf16_from_float(block[t][r][d]);
+                    const ptrdiff_t i = p * ROWS + r;
+                    for (int d = 0; d < DEPTH; d++) {
+                        const ptrdiff_t j = 2 * u + d;
+                        const float *src = a + i * row_stride + j * col_stride + t0;
+                        const int inside = i < m && j < k;
+                        for (int t = 0; t < group; t++)
+                            block[t][r][d] = inside ? src[t] : 0.0f;
+                    }
                 }
-        }
+                for (int t = 0; t < group; t++)
+                    for (int r = 0; r < ROWS; r++) {
+                        uint16_t *row = panels + (t0 + t) * tap_stride
+                                        + 2 * bf16_panel_unit(p * ROWS + r, u, k);
+                        for (int d = 0; d < DEPTH; d++)
+                            row[d] = dynar_bf16_from_float(block[t][r][d]);
+                    }
+            }
+    }
 }
 
 /* Panels [p0, p1) of a (m, k), element (i, j) at a[i * row_stride + j * col_stride], rounded
