@@ -261,7 +261,7 @@ cdef void _forward(floating* y, const floating* x, const floating* w, const floa
     cdef const ConvGeometry* g = &s.g
     cdef Py_ssize_t P = g.Ho * g.Wo, HW = g.H * g.W
     cdef int threads = s.threads
-    cdef Py_ssize_t k, c, o, o0, o1, r, q, t, p
+    cdef Py_ssize_t k, c, o, o0, o1, r, q, p
     cdef Run* runs = <Run*> work
     cdef floating* xt = <floating*> (<char*> work + s.runs_bytes)
     cdef floating* yt = xt + g.C * s.in_ld
